@@ -1,0 +1,738 @@
+# cython: language_level=3
+"""The one engine behind every front-end of bnbw_native.
+
+Design
+------
+Formulas (SPEC 1), per channel c with M elements, r = 1/sqrt(var + eps):
+    dbias = Sum dy            dscale = r * Sum (x - mean) * dy
+    training:  dx = k1*dy + k2*(x - mean) + k3,  k1 = scale*r,
+               k2 = -scale*r*r*dscale/M,  k3 = -scale*r*dbias/M
+    frozen:    dx = k1*dy
+The per-channel constants are computed once, in f64, by `coefficients`, and rounded to f32
+for the elementwise pass.
+
+Layers: a plan (built once from sizes, strides and the reduced-dims mask, with no Python
+object involved, so C callers can build one too) -> partitioned work items run under
+`prange` with the GIL released -> the contiguous f32 row kernels of bnbw_kernels.h.  Half
+precision and strided rows are staged through per-thread f32 tiles of TILE elements; f32 rows
+with unit stride are used in place.  Rows are always cut at the same TILE boundaries, so the
+staging never changes the arithmetic.
+
+Plans.  Size-1 dims are dropped, reduced dims with negative strides (in x, dy and dx alike)
+are flipped, sorted outermost-first by x's stride and merged where all three tensors allow.
+"Channel-last" when the channel dims merge into one unit-stride dim of x, dy and dx (NXC);
+otherwise "channel-major" (NCX, and every general strided case) with the innermost reduced
+dim as the row.
+
+Determinism.  The reduction of a channel is cut into fixed blocks (BLOCK elements, or rows of
+channels), each block summed by one sequential function and the block sums added in block
+order.  Which thread runs a block, and how many threads there are, never enters the
+arithmetic, so every output is bit-identical for any thread count.  Schedules: channel-major
+with enough channels runs "fused": one thread reduces a channel and applies it at once while
+its data is still in cache; otherwise reduce, combine, apply as three steps.  Both add the same
+block sums in the same order.
+
+Accuracy.  Sums are f64 (lanes of f64 in the row kernel, f64 block sums, f64 combination) of
+f32 products (x - mean)*dy, x - mean being exact near the mean.
+"""
+from libc.stdint cimport int64_t, uint16_t
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memcpy
+from libc.math cimport sqrt
+from cython.parallel cimport prange
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "bnbw_half.h" nogil:
+    ctypedef struct bnbw_f16:
+        uint16_t bits
+    ctypedef struct bnbw_bf16:
+        uint16_t bits
+    float bnbw_f16_to_f32(bnbw_f16 h)
+    float bnbw_bf16_to_f32(bnbw_bf16 h)
+    bnbw_f16 bnbw_f64_to_f16(double d)
+    bnbw_bf16 bnbw_f64_to_bf16(double d)
+    void bnbw_load_f32(const char *src, int64_t stride, int64_t n, float *dst)
+    void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t stride)
+    void bnbw_load_f16(const char *src, int64_t stride, int64_t n, float *dst)
+    void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t stride)
+    void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst)
+    void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride)
+    const char *bnbw_half_simd_path()
+
+cdef extern from "bnbw_kernels.h" nogil:
+    void bnbw_reduce_row(const float *x, const float *dy, int64_t n, float mean, double *out)
+    void bnbw_apply_row(const float *x, const float *dy, float *dx, int64_t n,
+                        float mean, float k1, float k2, float k3)
+    void bnbw_scale_row(const float *dy, float *dx, int64_t n, float k1)
+    void bnbw_reduce_channels(const float *x, const float *dy, int64_t n, const float *mean,
+                              double *sum_g, double *sum_xg)
+    void bnbw_apply_channels(const float *x, const float *dy, float *dx, int64_t n,
+                             const float *mean, const float *k1, const float *k2,
+                             const float *k3)
+    void bnbw_scale_channels(const float *dy, float *dx, int64_t n, const float *k1)
+    int bnbw_cpu_has_avx2()
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #include <omp.h>
+    static int bnbw_omp_max_threads(void) { return omp_get_max_threads(); }
+    static int bnbw_omp_thread_num(void) { return omp_get_thread_num(); }
+    static int bnbw_openmp_version(void) { return _OPENMP; }
+    #else
+    static int bnbw_omp_max_threads(void) { return 1; }
+    static int bnbw_omp_thread_num(void) { return 0; }
+    static int bnbw_openmp_version(void) { return 0; }
+    #endif
+    #if defined(BNBW_HAVE_TARGET_CLONES)
+    static const char *bnbw_clones(void) { return "target_clones(haswell, default)"; }
+    #else
+    static const char *bnbw_clones(void) { return "baseline only"; }
+    #endif
+    """
+    int bnbw_omp_max_threads() nogil
+    int bnbw_omp_thread_num() nogil
+    int bnbw_openmp_version() nogil
+    const char *bnbw_clones() nogil
+
+cdef enum:
+    TILE = 2048           # elements per staged row segment (3 tiles per thread: 24 KiB)
+    BLOCK = 32768         # elements per reduction block
+    MIN_BLOCK_ROWS = 16   # channel-last: lower bound on rows per block (bounds partial sums)
+    SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
+
+cdef inline int64_t itemsize(int dtype) noexcept nogil:
+    return 4 if dtype == DT_F32 else 2
+
+cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
+    return a if a < b else b
+
+
+# ---------------------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------------------
+
+cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char *reduced,
+                    const int64_t *strides, int big_dtype, int stat_dtype) noexcept nogil:
+    """Fill `p`.  strides: N_SLOTS rows of MAX_DIMS byte strides (row t = slot t).
+    Returns 0, or -1 when out of memory.  The inputs are trusted (the front-ends validate)."""
+    cdef int kept[MAX_DIMS]
+    cdef int red[MAX_DIMS]
+    cdef int nkept = 0, nred = 0, d, t, i, j, k
+    cdef int64_t C = 1, M = 1, s, c, idx, rem
+    cdef int64_t rsize[MAX_DIMS]
+    cdef int64_t rstride[3][MAX_DIMS]
+    cdef bint merge
+    cdef int64_t isz = itemsize(big_dtype)
+
+    p.empty = False
+    p.channel_last = False
+    p.big_dtype = big_dtype
+    p.stat_dtype = stat_dtype
+    p.n_outer = 0
+    p.nblocks = 0
+    p.ngroups = 0
+    p.group = 0
+    p.block = 1
+    for t in range(N_SLOTS):
+        p.chan_offset[t] = NULL
+        p.chan_stride[t] = 0
+    for t in range(3):
+        p.base[t] = 0
+        p.inner_stride[t] = 0
+
+    for d in range(ndim):
+        if reduced[d]:
+            M *= sizes[d]
+            if sizes[d] != 1:
+                red[nred] = d
+                nred += 1
+        else:
+            C *= sizes[d]
+            if sizes[d] != 1:
+                kept[nkept] = d
+                nkept += 1
+    p.channels = C
+    p.count = M
+    p.inner_size = 1
+    if C == 0 or M == 0:
+        p.empty = True
+        return 0
+
+    # Channel origins, per slot: one stride when the kept dims merge, else a table.
+    for t in range(N_SLOTS):
+        merge = True
+        for i in range(nkept - 1):
+            if strides[t * MAX_DIMS + kept[i]] != \
+                    sizes[kept[i + 1]] * strides[t * MAX_DIMS + kept[i + 1]]:
+                merge = False
+        if merge:
+            p.chan_stride[t] = strides[t * MAX_DIMS + kept[nkept - 1]] if nkept else 0
+        else:
+            p.chan_offset[t] = <int64_t *> malloc(C * sizeof(int64_t))
+            if p.chan_offset[t] == NULL:
+                plan_free(p)
+                return -1
+            for c in range(C):
+                rem = c
+                s = 0
+                for i in range(nkept - 1, -1, -1):
+                    idx = rem % sizes[kept[i]]
+                    rem = rem // sizes[kept[i]]
+                    s += idx * strides[t * MAX_DIMS + kept[i]]
+                p.chan_offset[t][c] = s
+
+    # Reduced dims: flip negative ones, sort outermost first by |x stride|, merge.
+    for i in range(nred):
+        rsize[i] = sizes[red[i]]
+        for t in range(3):
+            rstride[t][i] = strides[t * MAX_DIMS + red[i]]
+        if rstride[0][i] < 0 and rstride[1][i] < 0 and rstride[2][i] < 0:
+            for t in range(3):
+                p.base[t] += (rsize[i] - 1) * rstride[t][i]
+                rstride[t][i] = -rstride[t][i]
+    for i in range(1, nred):              # insertion sort, stable: logical order on ties
+        j = i
+        while j > 0 and _abs(rstride[0][j - 1]) < _abs(rstride[0][j]):
+            _swap(&rsize[j - 1], &rsize[j])
+            for t in range(3):
+                _swap(&rstride[t][j - 1], &rstride[t][j])
+            j -= 1
+    k = 0
+    for i in range(nred):
+        if k > 0 and rstride[0][k - 1] == rsize[i] * rstride[0][i] \
+                and rstride[1][k - 1] == rsize[i] * rstride[1][i] \
+                and rstride[2][k - 1] == rsize[i] * rstride[2][i]:
+            rsize[k - 1] *= rsize[i]
+            for t in range(3):
+                rstride[t][k - 1] = rstride[t][i]
+        else:
+            rsize[k] = rsize[i]
+            for t in range(3):
+                rstride[t][k] = rstride[t][i]
+            k += 1
+    nred = k
+
+    p.channel_last = (C > 1 and p.chan_offset[SLOT_X] == NULL and p.chan_offset[SLOT_DY] == NULL
+                      and p.chan_offset[SLOT_DX] == NULL and p.chan_stride[SLOT_X] == isz
+                      and p.chan_stride[SLOT_DY] == isz and p.chan_stride[SLOT_DX] == isz)
+    if p.channel_last:
+        p.n_outer = nred
+        p.inner_size = C
+        for t in range(3):
+            p.inner_stride[t] = isz
+        p.block = BLOCK // C if BLOCK // C > MIN_BLOCK_ROWS else MIN_BLOCK_ROWS
+        p.nblocks = (M + p.block - 1) // p.block
+        p.group = TILE
+        p.ngroups = (C + TILE - 1) // TILE
+    else:
+        p.n_outer = nred - 1 if nred > 0 else 0
+        if nred > 0:
+            p.inner_size = rsize[nred - 1]
+            for t in range(3):
+                p.inner_stride[t] = rstride[t][nred - 1]
+        p.block = BLOCK
+        p.nblocks = (M + BLOCK - 1) // BLOCK
+    for i in range(p.n_outer):
+        p.outer_size[i] = rsize[i]
+        for t in range(3):
+            p.outer_stride[t][i] = rstride[t][i]
+    return 0
+
+
+cdef void plan_free(Plan *p) noexcept nogil:
+    cdef int t
+    for t in range(N_SLOTS):
+        free(p.chan_offset[t])
+        p.chan_offset[t] = NULL
+
+
+cdef inline int64_t _abs(int64_t v) noexcept nogil:
+    return -v if v < 0 else v
+
+
+cdef inline void _swap(int64_t *a, int64_t *b) noexcept nogil:
+    cdef int64_t tmp = a[0]
+    a[0] = b[0]
+    b[0] = tmp
+
+
+cdef inline int64_t chan_origin(const Plan *p, int t, int64_t c) noexcept nogil:
+    if p.chan_offset[t] != NULL:
+        return p.chan_offset[t][c]
+    return p.chan_stride[t] * c
+
+
+cdef inline void row_origin(const Plan *p, int64_t row, int64_t *off) noexcept nogil:
+    """Byte offsets of row `row` (mixed radix over the outer dims) in x, dy, dx."""
+    cdef int d
+    cdef int64_t q, i
+    off[0] = p.base[0]
+    off[1] = p.base[1]
+    off[2] = p.base[2]
+    for d in range(p.n_outer - 1, -1, -1):
+        q = row // p.outer_size[d]
+        i = row - q * p.outer_size[d]
+        off[0] += i * p.outer_stride[0][d]
+        off[1] += i * p.outer_stride[1][d]
+        off[2] += i * p.outer_stride[2][d]
+        row = q
+
+
+# ---------------------------------------------------------------------------------------
+# Staging: f32 unit-stride rows are used in place, everything else goes through a tile
+# ---------------------------------------------------------------------------------------
+
+cdef inline const float *load_row(const char *src, int dtype, int64_t stride, int64_t n,
+                                  float *tile) noexcept nogil:
+    if dtype == DT_F32:
+        if stride == 4:
+            return <const float *> src
+        bnbw_load_f32(src, stride, n, tile)
+    elif dtype == DT_F16:
+        bnbw_load_f16(src, stride, n, tile)
+    else:
+        bnbw_load_bf16(src, stride, n, tile)
+    return tile
+
+
+cdef inline float *row_target(char *dst, int dtype, int64_t stride, float *tile) noexcept nogil:
+    if dtype == DT_F32 and stride == 4:
+        return <float *> dst
+    return tile
+
+
+cdef inline void store_row(const float *src, int64_t n, char *dst, int dtype,
+                           int64_t stride) noexcept nogil:
+    if dtype == DT_F32:
+        if stride != 4:
+            bnbw_store_f32(src, n, dst, stride)
+    elif dtype == DT_F16:
+        bnbw_store_f16(src, n, dst, stride)
+    else:
+        bnbw_store_bf16(src, n, dst, stride)
+
+
+cdef inline float load_stat(const char *base, int dtype, int64_t offset) noexcept nogil:
+    cdef float f
+    cdef bnbw_f16 h
+    cdef bnbw_bf16 b
+    if dtype == DT_F32:
+        memcpy(&f, base + offset, 4)
+        return f
+    if dtype == DT_F16:
+        memcpy(&h, base + offset, 2)
+        return bnbw_f16_to_f32(h)
+    memcpy(&b, base + offset, 2)
+    return bnbw_bf16_to_f32(b)
+
+
+cdef inline void store_stat(char *base, int dtype, int64_t offset, double v) noexcept nogil:
+    cdef float f
+    cdef bnbw_f16 h
+    cdef bnbw_bf16 b
+    if dtype == DT_F32:
+        f = <float> v
+        memcpy(base + offset, &f, 4)
+    elif dtype == DT_F16:
+        h = bnbw_f64_to_f16(v)          # one rounding, straight from f64
+        memcpy(base + offset, &h, 2)
+    else:
+        b = bnbw_f64_to_bf16(v)
+        memcpy(base + offset, &b, 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Work items
+# ---------------------------------------------------------------------------------------
+
+ctypedef struct Operands:
+    char *x
+    char *dy
+    char *dx
+    float *mean      # [C] gathered statistics and coefficients, f32
+    float *k1
+    float *k2
+    float *k3
+
+cdef enum:
+    DO_REDUCE = 1
+    DO_APPLY = 2     # training dx
+    DO_SCALE = 4     # frozen dx
+
+
+cdef void major_block(const Plan *p, const Operands *o, int64_t c, int64_t b, int what,
+                      float *tiles, double *sums) noexcept nogil:
+    """Channel-major item (channel c, block b): the reduced elements [b*BLOCK, +BLOCK)."""
+    cdef int64_t lo = b * p.block
+    cdef int64_t hi = imin(lo + p.block, p.count)
+    cdef int64_t L = p.inner_size
+    cdef int64_t row = lo // L
+    cdef int64_t col = lo - row * L
+    cdef int64_t pos = lo, n, seg_end
+    cdef int64_t off[3]
+    cdef int64_t sx = p.inner_stride[0], sg = p.inner_stride[1], sd = p.inner_stride[2]
+    cdef const char *cx = o.x + chan_origin(p, SLOT_X, c)
+    cdef const char *cg = o.dy + chan_origin(p, SLOT_DY, c)
+    cdef char *cd = NULL
+    cdef const float *xs = NULL
+    cdef const float *gs
+    cdef float *ds
+    cdef double part[2]
+    cdef float mean = o.mean[c]
+    cdef int dt = p.big_dtype
+    if what & (DO_APPLY | DO_SCALE):
+        cd = o.dx + chan_origin(p, SLOT_DX, c)
+    if what & DO_REDUCE:
+        sums[0] = 0.0
+        sums[1] = 0.0
+    while pos < hi:
+        row_origin(p, row, off)
+        while col < L and pos < hi:
+            # cut at TILE boundaries counted from the row start, the same for every layout
+            seg_end = imin(imin((col // TILE + 1) * TILE, L), col + hi - pos)
+            n = seg_end - col
+            gs = load_row(cg + off[1] + col * sg, dt, sg, n, tiles + TILE)
+            if what & (DO_REDUCE | DO_APPLY):
+                xs = load_row(cx + off[0] + col * sx, dt, sx, n, tiles)
+            if what & DO_REDUCE:
+                bnbw_reduce_row(xs, gs, n, mean, part)
+                sums[0] += part[0]
+                sums[1] += part[1]
+            if what & (DO_APPLY | DO_SCALE):
+                ds = row_target(cd + off[2] + col * sd, dt, sd, tiles + 2 * TILE)
+                if what & DO_APPLY:
+                    bnbw_apply_row(xs, gs, ds, n, mean, o.k1[c], o.k2[c], o.k3[c])
+                else:
+                    bnbw_scale_row(gs, ds, n, o.k1[c])
+                store_row(ds, n, cd + off[2] + col * sd, dt, sd)
+            col = seg_end
+            pos += n
+        row += 1
+        col = 0
+
+
+cdef void last_block(const Plan *p, const Operands *o, int64_t rb, int64_t grp, int what,
+                     float *tiles, double *sum_g, double *sum_xg) noexcept nogil:
+    """Channel-last item (row block rb, channel group grp); sums accumulate into the block's
+    own partial arrays, indexed by channel."""
+    cdef int64_t c0 = grp * p.group
+    cdef int64_t w = imin(p.group, p.channels - c0)
+    cdef int64_t r, r_end = imin((rb + 1) * p.block, p.count)
+    cdef int64_t off[3]
+    cdef int64_t isz = itemsize(p.big_dtype)
+    cdef const float *xs = NULL
+    cdef const float *gs
+    cdef float *ds
+    cdef char *dst
+    cdef int dt = p.big_dtype
+    for r in range(rb * p.block, r_end):
+        row_origin(p, r, off)
+        gs = load_row(o.dy + off[1] + c0 * isz, dt, isz, w, tiles + TILE)
+        if what & (DO_REDUCE | DO_APPLY):
+            xs = load_row(o.x + off[0] + c0 * isz, dt, isz, w, tiles)
+        if what & DO_REDUCE:
+            bnbw_reduce_channels(xs, gs, w, o.mean + c0, sum_g + c0, sum_xg + c0)
+        if what & (DO_APPLY | DO_SCALE):
+            dst = o.dx + off[2] + c0 * isz
+            ds = row_target(dst, dt, isz, tiles + 2 * TILE)
+            if what & DO_APPLY:
+                bnbw_apply_channels(xs, gs, ds, w, o.mean + c0, o.k1 + c0, o.k2 + c0,
+                                    o.k3 + c0)
+            else:
+                bnbw_scale_channels(gs, ds, w, o.k1 + c0)
+            store_row(ds, w, dst, dt, isz)
+
+
+cdef inline void coefficients(int op, double sum_g, double sum_xg, double count, float var,
+                              float scale, double eps, float *k1, float *k2, float *k3,
+                              double *dscale, double *dbias) noexcept nogil:
+    """The only place where the formulas of SPEC 1 meet the sums."""
+    cdef double r = 1.0 / sqrt(<double> var + eps)
+    cdef double sr = <double> scale * r
+    dbias[0] = sum_g
+    dscale[0] = r * sum_xg
+    k1[0] = <float> sr
+    if op & OP_TRAINING and count > 0:
+        k2[0] = <float> (-sr * r * dscale[0] / count)
+        k3[0] = <float> (-sr * sum_g / count)
+    else:
+        k2[0] = 0.0
+        k3[0] = 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# execute
+# ---------------------------------------------------------------------------------------
+
+cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double count,
+                      double *sums_io, int nthreads) noexcept nogil:
+    """Run one operation (Op flags) on the operands ptr[N_SLOTS] (NULL scale means 1).
+    `count` is M of the formula (the global count in two-phase use).  Returns 0 or -1 (out of
+    memory; nothing written then except possibly dx)."""
+    cdef int64_t C = p.channels, c, b, i, n_items
+    cdef Operands o
+    cdef float *stats = NULL
+    cdef double *sums = NULL
+    cdef double *partial = NULL
+    cdef double *dscale = NULL
+    cdef double *dbias = NULL
+    cdef float *tiles = NULL
+    cdef float *my_tiles
+    cdef double *my_sums
+    cdef int what, nt, rc = 0
+    cdef bint fused, need_sums = op & OP_COMPUTE_SUMS
+    cdef bint write_dx = (op & OP_WRITE_DX) and not p.empty
+    cdef double acc_g, acc_xg
+    if C == 0:
+        return 0
+
+    stats = <float *> malloc(4 * C * sizeof(float))
+    sums = <double *> calloc(4 * C, sizeof(double))
+    if stats == NULL or sums == NULL:
+        free(stats)
+        free(sums)
+        return -1
+    dscale = sums + 2 * C
+    dbias = sums + 3 * C
+    o.x = ptr[SLOT_X]
+    o.dy = ptr[SLOT_DY]
+    o.dx = ptr[SLOT_DX]
+    o.mean = stats
+    o.k1 = stats + C
+    o.k2 = stats + 2 * C
+    o.k3 = stats + 3 * C
+    for c in range(C):
+        o.mean[c] = load_stat(ptr[SLOT_MEAN], p.stat_dtype, chan_origin(p, SLOT_MEAN, c))
+    if op & OP_GIVEN_SUMS:
+        memcpy(sums, sums_io, 2 * C * sizeof(double))
+
+    nt = nthreads
+    if p.empty or C * p.count < SERIAL_BELOW:
+        nt = 1
+    if p.channel_last:
+        n_items = p.nblocks * p.ngroups
+    else:
+        n_items = C * p.nblocks
+    if nt > n_items:
+        nt = <int> n_items if n_items > 0 else 1
+    fused = (not p.channel_last and need_sums and write_dx and op & OP_TRAINING
+             and C >= 2 * nt)
+    if not (op & OP_TRAINING) or not need_sums:
+        # frozen statistics (or given sums): the constants are known before any pass
+        _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
+
+    if not p.empty and (need_sums or write_dx):
+        tiles = <float *> malloc(nt * 3 * TILE * sizeof(float))
+        if p.channel_last and need_sums:
+            partial = <double *> calloc(2 * C * p.nblocks, sizeof(double))
+        elif need_sums and not fused:
+            partial = <double *> malloc(2 * C * p.nblocks * sizeof(double))
+        if tiles == NULL or (need_sums and not fused and partial == NULL):
+            rc = -1
+    if rc == 0 and not p.empty and (need_sums or write_dx):
+        what = 0
+        if need_sums:
+            what = DO_REDUCE
+        if write_dx and not (op & OP_TRAINING):
+            what = what | DO_SCALE     # frozen: dx in the same pass as the sums
+        if fused:
+            for c in prange(C, num_threads=nt, schedule='dynamic'):
+                _fused_channel(p, &o, ptr, op, eps, count, c,
+                               tiles + bnbw_omp_thread_num() * 3 * TILE, sums, dscale, dbias)
+        elif what and p.channel_last:
+            for i in prange(n_items, num_threads=nt, schedule='dynamic'):
+                my_sums = NULL
+                if partial != NULL:
+                    my_sums = partial + 2 * C * (i // p.ngroups)
+                last_block(p, &o, i // p.ngroups, i % p.ngroups, what,
+                           tiles + bnbw_omp_thread_num() * 3 * TILE, my_sums,
+                           my_sums + C if my_sums != NULL else NULL)
+        elif what:
+            for i in prange(n_items, num_threads=nt, schedule='dynamic'):
+                my_sums = NULL
+                if partial != NULL:
+                    my_sums = partial + 2 * i
+                major_block(p, &o, i // p.nblocks, i % p.nblocks, what,
+                            tiles + bnbw_omp_thread_num() * 3 * TILE, my_sums)
+        if need_sums and not fused:
+            # combine the block sums of each channel in block order
+            for c in prange(C, num_threads=nt, schedule='static'):
+                acc_g = 0.0
+                acc_xg = 0.0
+                for b in range(p.nblocks):
+                    if p.channel_last:
+                        acc_g = acc_g + partial[2 * C * b + c]
+                        acc_xg = acc_xg + partial[2 * C * b + C + c]
+                    else:
+                        acc_g = acc_g + partial[2 * (c * p.nblocks + b)]
+                        acc_xg = acc_xg + partial[2 * (c * p.nblocks + b) + 1]
+                sums[2 * c] = acc_g
+                sums[2 * c + 1] = acc_xg
+            _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
+        if write_dx and op & OP_TRAINING and not fused:
+            if p.channel_last:
+                for i in prange(p.nblocks * p.ngroups, num_threads=nt, schedule='dynamic'):
+                    last_block(p, &o, i // p.ngroups, i % p.ngroups, DO_APPLY,
+                               tiles + bnbw_omp_thread_num() * 3 * TILE, NULL, NULL)
+            else:
+                for i in prange(n_items, num_threads=nt, schedule='dynamic'):
+                    major_block(p, &o, i // p.nblocks, i % p.nblocks, DO_APPLY,
+                                tiles + bnbw_omp_thread_num() * 3 * TILE, NULL)
+    elif rc == 0 and op & OP_TRAINING and need_sums:
+        _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)   # M == 0
+
+    if rc == 0:
+        if op & OP_RETURN_SUMS:
+            memcpy(sums_io, sums, 2 * C * sizeof(double))
+        if op & OP_WRITE_PARAMS:
+            for c in range(C):
+                store_stat(ptr[SLOT_DSCALE], p.stat_dtype, chan_origin(p, SLOT_DSCALE, c),
+                           dscale[c])
+                store_stat(ptr[SLOT_DBIAS], p.stat_dtype, chan_origin(p, SLOT_DBIAS, c),
+                           dbias[c])
+    free(tiles)
+    free(partial)
+    free(stats)
+    free(sums)
+    return rc
+
+
+cdef void _channel_coefficients(const Plan *p, char **ptr, int op, double eps, double count,
+                                Operands *o, int64_t c, double *sums, double *dscale,
+                                double *dbias) noexcept nogil:
+    cdef float var = load_stat(ptr[SLOT_VAR], p.stat_dtype, chan_origin(p, SLOT_VAR, c))
+    cdef float scale = 1.0
+    if ptr[SLOT_SCALE] != NULL:
+        scale = load_stat(ptr[SLOT_SCALE], p.stat_dtype, chan_origin(p, SLOT_SCALE, c))
+    coefficients(op, sums[2 * c], sums[2 * c + 1], count, var, scale, eps,
+                 &o.k1[c], &o.k2[c], &o.k3[c], &dscale[c], &dbias[c])
+
+
+cdef void _all_coefficients(const Plan *p, char **ptr, int op, double eps, double count,
+                            Operands *o, double *sums, double *dscale,
+                            double *dbias) noexcept nogil:
+    cdef int64_t c
+    for c in range(p.channels):
+        _channel_coefficients(p, ptr, op, eps, count, o, c, sums, dscale, dbias)
+
+
+cdef void _fused_channel(const Plan *p, Operands *o, char **ptr, int op, double eps,
+                         double count, int64_t c, float *tiles, double *sums, double *dscale,
+                         double *dbias) noexcept nogil:
+    """Reduce channel c, then apply it while its rows are still in cache.  The block sums are
+    added in block order, exactly as the split schedule's combine step does."""
+    cdef int64_t b
+    cdef double part[2]
+    cdef double acc_g = 0.0, acc_xg = 0.0
+    for b in range(p.nblocks):
+        major_block(p, o, c, b, DO_REDUCE, tiles, part)
+        acc_g = acc_g + part[0]
+        acc_xg = acc_xg + part[1]
+    sums[2 * c] = acc_g
+    sums[2 * c + 1] = acc_xg
+    _channel_coefficients(p, ptr, op, eps, count, o, c, sums, dscale, dbias)
+    for b in range(p.nblocks):
+        major_block(p, o, c, b, DO_APPLY, tiles, NULL)
+
+
+# ---------------------------------------------------------------------------------------
+# Python surface (private: the front-ends validate everything before they get here)
+# ---------------------------------------------------------------------------------------
+
+DTYPE_CODES = {"float32": DT_F32, "float16": DT_F16, "bfloat16": DT_BF16}
+
+OP_FLAGS = {
+    "compute_sums": OP_COMPUTE_SUMS, "given_sums": OP_GIVEN_SUMS, "training": OP_TRAINING,
+    "write_dx": OP_WRITE_DX, "write_params": OP_WRITE_PARAMS, "return_sums": OP_RETURN_SUMS,
+}
+
+
+cdef inline char *_address(object operand) except? NULL:
+    if operand is None:
+        return NULL
+    if cnp.PyArray_Check(operand):
+        return <char *> cnp.PyArray_DATA(<cnp.ndarray> operand)
+    return <char *> <size_t> operand
+
+
+cdef class Engine:
+    """A plan over sizes, strides (bytes, one row per operand slot) and the reduced-dims mask,
+    executed on any addresses with those strides."""
+    cdef Plan plan
+
+    def __cinit__(self, sizes, reduced, strides, int big_dtype, int stat_dtype):
+        cdef int64_t c_sizes[MAX_DIMS]
+        cdef unsigned char c_reduced[MAX_DIMS]
+        cdef int64_t c_strides[N_SLOTS * MAX_DIMS]
+        cdef int ndim = len(sizes), d, t, rc
+        for t in range(N_SLOTS):
+            self.plan.chan_offset[t] = NULL
+        if not 1 <= ndim <= MAX_DIMS:
+            raise ValueError("the engine takes 1 to 8 dimensions")
+        for d in range(ndim):
+            c_sizes[d] = sizes[d]
+            c_reduced[d] = bool(reduced[d])
+            for t in range(N_SLOTS):
+                c_strides[t * MAX_DIMS + d] = strides[t][d]
+        with nogil:
+            rc = plan_build(&self.plan, ndim, c_sizes, c_reduced, c_strides, big_dtype,
+                            stat_dtype)
+        if rc != 0:
+            raise MemoryError("bnbw_native: out of memory while planning")
+
+    def __dealloc__(self):
+        plan_free(&self.plan)
+
+    @property
+    def kind(self):
+        if self.plan.empty:
+            return "empty"
+        return "channel-last" if self.plan.channel_last else "channel-major"
+
+    @property
+    def channels(self):
+        return self.plan.channels
+
+    @property
+    def count(self):
+        return self.plan.count
+
+    @property
+    def blocks(self):
+        return self.plan.nblocks
+
+    def execute(self, operands, int op, double eps, double count, sums=None, int num_threads=1):
+        """operands: N_SLOTS entries, each an ndarray, an integer address or None."""
+        cdef char *ptr[N_SLOTS]
+        cdef double *sums_ptr = NULL
+        cdef int t, rc
+        for t in range(N_SLOTS):
+            ptr[t] = _address(operands[t])
+        if sums is not None:
+            sums_ptr = <double *> cnp.PyArray_DATA(<cnp.ndarray> sums)
+        with nogil:
+            rc = plan_execute(&self.plan, ptr, op, eps, count, sums_ptr, num_threads)
+        if rc != 0:
+            raise MemoryError("bnbw_native: out of memory for the reduction buffers")
+
+
+def omp_max_threads():
+    """What OpenMP would use now (read per call, so threadpoolctl limits are seen)."""
+    return bnbw_omp_max_threads()
+
+
+def build_info():
+    return {
+        "openmp": bnbw_openmp_version(),
+        "multiversioning": bnbw_clones().decode(),
+        "reduce_path": "AVX2" if bnbw_cpu_has_avx2() else "portable",
+        "half_path": bnbw_half_simd_path().decode(),
+    }
+
+
+cdef int omp_max_threads_nogil() noexcept nogil:
+    return bnbw_omp_max_threads()

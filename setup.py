@@ -1,0 +1,128 @@
+"""Build the native core of bnbw_native.
+
+The extension modules are plain Cython + C.  Two build-time probes decide the flags:
+
+* OpenMP: compile *and run* a tiny OpenMP program.  If that works the kernels are built with
+  ``-fopenmp`` (runtime linked dynamically, so threadpoolctl can see and limit it).  If it does
+  not, the build warns and goes on serial, unless ``BNBW_REQUIRE_OPENMP=1`` asks for a hard
+  failure instead.
+* Function multiversioning: the hot loops carry ``target_clones("arch=haswell", "default")``
+  so one wheel runs everywhere yet uses AVX2+FMA+F16C where the CPU has them.  No
+  ``-march=native`` ever reaches what users install.  ``BNBW_NATIVE_ARCH=1`` adds it for
+  local experiments only.
+"""
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import textwrap
+import warnings
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+OPENMP_PROBE = textwrap.dedent(
+    """
+    #include <omp.h>
+    #include <stdio.h>
+    int main(void) {
+        int n = 0;
+        #pragma omp parallel reduction(+:n)
+        n += 1;
+        printf("%d %d\\n", n, _OPENMP);
+        return n > 0 ? 0 : 1;
+    }
+    """
+)
+
+CLONES_PROBE = textwrap.dedent(
+    """
+    __attribute__((target_clones("arch=haswell", "default")))
+    int twice(int x) { return 2 * x; }
+    int main(void) { return twice(0); }
+    """
+)
+
+
+def _compiler():
+    return os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
+
+
+def _compile_and_run(source, flags):
+    """True when `source` compiles with `flags` and the program exits 0."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        exe = os.path.join(tmp, "probe")
+        with open(src, "w") as f:
+            f.write(source)
+        try:
+            subprocess.run([_compiler(), src, "-o", exe, *flags], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run([exe], check=True, stdout=subprocess.DEVNULL, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return True
+
+
+def openmp_flags():
+    if os.environ.get("BNBW_DISABLE_OPENMP") == "1":
+        return []
+    if _compile_and_run(OPENMP_PROBE, ["-fopenmp"]):
+        return ["-fopenmp"]
+    message = ("bnbw_native: the C compiler cannot build and run an OpenMP program; "
+               "building the kernels serial (every num_threads runs on one thread).")
+    if os.environ.get("BNBW_REQUIRE_OPENMP") == "1":
+        sys.exit(message + " BNBW_REQUIRE_OPENMP=1 makes this an error.")
+    warnings.warn(message)
+    return []
+
+
+def compile_flags():
+    flags = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-Wno-unused-function"]
+    if _compile_and_run(CLONES_PROBE, []):
+        flags.append("-DBNBW_HAVE_TARGET_CLONES=1")
+    if os.environ.get("BNBW_NATIVE_ARCH") == "1":
+        flags.append("-march=native")
+    extra = os.environ.get("BNBW_EXTRA_CFLAGS")
+    if extra:
+        flags += extra.split()
+    return flags
+
+
+omp = openmp_flags()
+cflags = compile_flags() + omp
+macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+if omp:
+    macros.append(("BNBW_OPENMP", "1"))
+
+
+def extension(name, sources):
+    return Extension(
+        f"bnbw_native.{name}",
+        sources,
+        include_dirs=["include", numpy.get_include()],
+        define_macros=macros,
+        extra_compile_args=cflags,
+        extra_link_args=omp + [f for f in cflags if f.startswith("-fsanitize")],
+    )
+
+
+extensions = [
+    extension("_core", ["bnbw_native/_core.pyx"]),
+    extension("_half", ["bnbw_native/_half.pyx"]),
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "initializedcheck": False,
+        },
+    ),
+)
