@@ -112,6 +112,7 @@ def extension(name, sources):
 extensions = [
     extension("_core", ["bnbw_native/_core.pyx"]),
     extension("_half", ["bnbw_native/_half.pyx"]),
+    extension("_capi", ["bnbw_native/_capi.pyx"]),
 ]
 
 setup(
