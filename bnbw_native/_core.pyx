@@ -486,6 +486,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     cdef int what, nt, rc = 0
     cdef bint fused, need_sums = op & OP_COMPUTE_SUMS
     cdef bint write_dx = (op & OP_WRITE_DX) and not p.empty
+    cdef bint want_coef = (op & (OP_WRITE_DX | OP_WRITE_PARAMS)) != 0   # reduce-only: none
     cdef double acc_g, acc_xg
     if C == 0:
         return 0
@@ -521,7 +522,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
         nt = <int> n_items if n_items > 0 else 1
     fused = (not p.channel_last and need_sums and write_dx and op & OP_TRAINING
              and C >= 2 * nt)
-    if not (op & OP_TRAINING) or not need_sums:
+    if want_coef and (not (op & OP_TRAINING) or not need_sums):
         # frozen statistics (or given sums): the constants are known before any pass
         _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
 
@@ -572,7 +573,8 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
                         acc_xg = acc_xg + partial[2 * (c * p.nblocks + b) + 1]
                 sums[2 * c] = acc_g
                 sums[2 * c + 1] = acc_xg
-            _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
+            if want_coef:
+                _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
         if write_dx and op & OP_TRAINING and not fused:
             if p.channel_last:
                 for i in prange(p.nblocks * p.ngroups, num_threads=nt, schedule='dynamic'):
@@ -582,7 +584,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
                 for i in prange(n_items, num_threads=nt, schedule='dynamic'):
                     major_block(p, &o, i // p.nblocks, i % p.nblocks, DO_APPLY,
                                 tiles + bnbw_omp_thread_num() * 3 * TILE, NULL)
-    elif rc == 0 and op & OP_TRAINING and need_sums:
+    elif rc == 0 and want_coef and op & OP_TRAINING and need_sums:
         _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)   # M == 0
 
     if rc == 0:

@@ -92,8 +92,8 @@ def array_backward(names, x, dy, mean, var, scale, *, epsilon, data_format, form
     t2 = None
     for role, obj in (("mean", mean), ("var", var), ("scale", scale)) + tuple(extra_stats):
         name = getattr(names, role, role)
-        if obj is None and role == "scale":
-            stats[role] = None
+        if obj is None and (role == "scale" or (role == "var" and formula == "reduce")):
+            stats[role] = None      # scale None means 1; the reduction needs no variance
             continue
         arr = float_input(obj, name)
         if t2 is None:
