@@ -73,6 +73,9 @@ cdef extern from "bnbw_kernels.h" nogil:
                              const float *mean, const float *k1, const float *k2,
                              const float *k3)
     void bnbw_scale_channels(const float *dy, float *dx, int64_t n, const float *k1)
+    void bnbw_reduce_rows(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
+                          int64_t rows, int64_t n, const float *mean, double *sum_g,
+                          double *sum_xg)
     int bnbw_cpu_has_avx2()
 
 cdef extern from *:
@@ -429,6 +432,15 @@ cdef void last_block(const Plan *p, const Operands *o, int64_t rb, int64_t grp, 
     cdef float *ds
     cdef char *dst
     cdef int dt = p.big_dtype
+    if what & DO_REDUCE and dt == DT_F32 and p.n_outer == 1:
+        # rows at one constant stride: keep the sums in registers across the rows
+        row_origin(p, rb * p.block, off)
+        bnbw_reduce_rows(<const float *> (o.x + off[0]) + c0, p.outer_stride[0][0] // 4,
+                         <const float *> (o.dy + off[1]) + c0, p.outer_stride[1][0] // 4,
+                         r_end - rb * p.block, w, o.mean + c0, sum_g + c0, sum_xg + c0)
+        what = what & ~DO_REDUCE
+        if what == 0:
+            return
     for r in range(rb * p.block, r_end):
         row_origin(p, r, off)
         gs = load_row(o.dy + off[1] + c0 * isz, dt, isz, w, tiles + TILE)
@@ -637,7 +649,7 @@ cdef void _fused_channel(const Plan *p, Operands *o, char **ptr, int op, double 
     sums[2 * c] = acc_g
     sums[2 * c + 1] = acc_xg
     _channel_coefficients(p, ptr, op, eps, count, o, c, sums, dscale, dbias)
-    for b in range(p.nblocks):
+    for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
         major_block(p, o, c, b, DO_APPLY, tiles, NULL)
 
 

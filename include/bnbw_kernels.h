@@ -158,6 +158,68 @@ static BNBW_SIMD void bnbw_reduce_channels(const float *x, const float *dy, int6
     }
 }
 
+/* The same sums over `rows` rows that lie x_row / dy_row floats apart.  Each channel still
+ * adds its rows in row order, so this is bnbw_reduce_channels row after row, bit for bit; the
+ * AVX2 body only keeps 16 channels' sums in registers across the rows. */
+static void bnbw_reduce_rows_portable(const float *x, int64_t x_row, const float *dy,
+                                      int64_t dy_row, int64_t rows, int64_t n,
+                                      const float *mean, double *sum_g, double *sum_xg)
+{
+    for (int64_t r = 0; r < rows; ++r)
+        bnbw_reduce_channels(x + r * x_row, dy + r * dy_row, n, mean, sum_g, sum_xg);
+}
+
+#ifdef BNBW_HAVE_AVX2_REDUCE
+__attribute__((target("avx2"))) static void
+bnbw_reduce_rows_avx2(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
+                      int64_t rows, int64_t n, const float *mean, double *sum_g,
+                      double *sum_xg)
+{
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+        __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
+        __m256d g2 = _mm256_loadu_pd(sum_g + c + 8), g3 = _mm256_loadu_pd(sum_g + c + 12);
+        __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
+        __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
+        const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
+        const float *xr = x + c, *gr = dy + c;
+        for (int64_t r = 0; r < rows; ++r, xr += x_row, gr += dy_row) {
+            __m256 ga = _mm256_loadu_ps(gr), gb = _mm256_loadu_ps(gr + 8);
+            __m256 pa = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xr), ma), ga);
+            __m256 pb = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xr + 8), mb), gb);
+            g0 = _mm256_add_pd(g0, _mm256_cvtps_pd(_mm256_castps256_ps128(ga)));
+            g1 = _mm256_add_pd(g1, _mm256_cvtps_pd(_mm256_extractf128_ps(ga, 1)));
+            g2 = _mm256_add_pd(g2, _mm256_cvtps_pd(_mm256_castps256_ps128(gb)));
+            g3 = _mm256_add_pd(g3, _mm256_cvtps_pd(_mm256_extractf128_ps(gb, 1)));
+            p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(pa)));
+            p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(pa, 1)));
+            p2 = _mm256_add_pd(p2, _mm256_cvtps_pd(_mm256_castps256_ps128(pb)));
+            p3 = _mm256_add_pd(p3, _mm256_cvtps_pd(_mm256_extractf128_ps(pb, 1)));
+        }
+        _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
+        _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
+        _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
+        _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
+    }
+    if (c < n)
+        bnbw_reduce_rows_portable(x + c, x_row, dy + c, dy_row, rows, n - c, mean + c,
+                                  sum_g + c, sum_xg + c);
+}
+#endif
+
+static void bnbw_reduce_rows(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
+                             int64_t rows, int64_t n, const float *mean, double *sum_g,
+                             double *sum_xg)
+{
+#ifdef BNBW_HAVE_AVX2_REDUCE
+    if (bnbw_cpu_has_avx2()) {
+        bnbw_reduce_rows_avx2(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg);
+        return;
+    }
+#endif
+    bnbw_reduce_rows_portable(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg);
+}
+
 static BNBW_SIMD void bnbw_apply_channels(const float *x, const float *dy, float *dx, int64_t n,
                                           const float *mean, const float *k1, const float *k2,
                                           const float *k3)
