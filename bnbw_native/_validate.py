@@ -29,9 +29,17 @@ def as_array(obj, name):
     return arr
 
 
+_DTYPE_NAMES = {}      # dtype -> name; dtype.name is slow enough to matter on tiny calls
+
+
 def dtype_name(arr):
-    return arr.dtype.name if arr.dtype.isnative or arr.dtype.itemsize == 1 else \
-        arr.dtype.newbyteorder("=").name
+    """The dtype's name in native byte order ("float32", "bfloat16", ...)."""
+    dtype = arr.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = dtype.name if dtype.isnative else dtype.newbyteorder("=").name
+        _DTYPE_NAMES[dtype] = name
+    return name
 
 
 def float_input(obj, name, allowed=FLOAT_TYPES):
@@ -115,8 +123,18 @@ def same_view(a, b):
             and a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides)
 
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:                # NumPy < 2
+    byte_bounds = np.byte_bounds
+
+
 def overlaps(a, b):
-    if a.size == 0 or b.size == 0 or not np.may_share_memory(a, b):
+    if a.size == 0 or b.size == 0:
+        return False
+    a_lo, a_hi = byte_bounds(a)
+    b_lo, b_hi = byte_bounds(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
         return False
     try:
         return bool(np.shares_memory(a, b, max_work=100_000))

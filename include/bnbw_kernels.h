@@ -7,8 +7,8 @@
  * (bnbw_half.h), so there is exactly one arithmetic path per formula.
  *
  * Precision.  x - mean is exact in f32 whenever x lies within a factor 2 of the mean (Sterbenz),
- * the product (x - mean) * dy is rounded once in f32 and every sum is accumulated in f64 lanes,
- * combined in a fixed tree.  That keeps Sum (x - mean)*dy accurate to ~1e-12 relative for 2^24
+ * the product (x - mean) * dy is formed exactly in f64 (24 + 24 bits) and every sum is
+ * accumulated in f64 lanes, combined in a fixed tree.  That keeps Sum (x - mean)*dy accurate to ~1e-12 relative for 2^24
  * elements around a large mean, where naive f32 sums lose three or four digits.
  *
  * Determinism.  A function's result depends only on its arguments, never on which thread runs
@@ -45,7 +45,7 @@ static void bnbw_reduce_row_finish(const float *x, const float *dy, int64_t i, i
     for (int l = 0; i < n; ++i, ++l) {         /* tail: fewer than BNBW_LANES elements */
         float g = dy[i];
         sg[l] += (double)g;
-        sxg[l] += (double)((x[i] - mean) * g);
+        sxg[l] += (double)(x[i] - mean) * (double)g;
     }
     for (int width = BNBW_LANES / 2; width > 0; width /= 2) {   /* fixed pairwise tree */
         for (int l = 0; l < width; ++l) {
@@ -66,7 +66,7 @@ static void bnbw_reduce_row_portable(const float *x, const float *dy, int64_t n,
         for (int l = 0; l < BNBW_LANES; ++l) {
             float g = dy[i + l];
             sg[l] += (double)g;
-            sxg[l] += (double)((x[i + l] - mean) * g);
+            sxg[l] += (double)(x[i + l] - mean) * (double)g;
         }
     }
     bnbw_reduce_row_finish(x, dy, i, n, mean, sg, sxg, out);
@@ -75,6 +75,25 @@ static void bnbw_reduce_row_portable(const float *x, const float *dy, int64_t n,
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
 #define BNBW_HAVE_AVX2_REDUCE 1
+
+/* 16 consecutive floats of dy (G) and x (X), the means of their two halves in MA, MB: adds
+ * dy to g0..g3 and the exact f64 product (x - mean) * dy to p0..p3, lane k of register j
+ * holding element 4j + k, exactly as the portable loops do. */
+#define BNBW_WIDEN_LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
+#define BNBW_WIDEN_HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
+#define BNBW_ACCUMULATE16(G, X, MA, MB) do {                                              \
+        __m256 ga_ = _mm256_loadu_ps(G), gb_ = _mm256_loadu_ps((G) + 8);                  \
+        __m256 da_ = _mm256_sub_ps(_mm256_loadu_ps(X), MA);                               \
+        __m256 db_ = _mm256_sub_ps(_mm256_loadu_ps((X) + 8), MB);                         \
+        __m256d w0_ = BNBW_WIDEN_LO(ga_), w1_ = BNBW_WIDEN_HI(ga_);                       \
+        __m256d w2_ = BNBW_WIDEN_LO(gb_), w3_ = BNBW_WIDEN_HI(gb_);                       \
+        g0 = _mm256_add_pd(g0, w0_); g1 = _mm256_add_pd(g1, w1_);                         \
+        g2 = _mm256_add_pd(g2, w2_); g3 = _mm256_add_pd(g3, w3_);                         \
+        p0 = _mm256_add_pd(p0, _mm256_mul_pd(BNBW_WIDEN_LO(da_), w0_));                   \
+        p1 = _mm256_add_pd(p1, _mm256_mul_pd(BNBW_WIDEN_HI(da_), w1_));                   \
+        p2 = _mm256_add_pd(p2, _mm256_mul_pd(BNBW_WIDEN_LO(db_), w2_));                   \
+        p3 = _mm256_add_pd(p3, _mm256_mul_pd(BNBW_WIDEN_HI(db_), w3_));                   \
+    } while (0)
 
 __attribute__((target("avx2"))) static void
 bnbw_reduce_row_avx2(const float *x, const float *dy, int64_t n, float mean, double out[2])
@@ -85,17 +104,7 @@ bnbw_reduce_row_avx2(const float *x, const float *dy, int64_t n, float mean, dou
     const __m256 m = _mm256_set1_ps(mean);
     int64_t i = 0;
     for (; i + BNBW_LANES <= n; i += BNBW_LANES) {
-        __m256 ga = _mm256_loadu_ps(dy + i), gb = _mm256_loadu_ps(dy + i + 8);
-        __m256 pa = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m), ga);
-        __m256 pb = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m), gb);
-        g0 = _mm256_add_pd(g0, _mm256_cvtps_pd(_mm256_castps256_ps128(ga)));
-        g1 = _mm256_add_pd(g1, _mm256_cvtps_pd(_mm256_extractf128_ps(ga, 1)));
-        g2 = _mm256_add_pd(g2, _mm256_cvtps_pd(_mm256_castps256_ps128(gb)));
-        g3 = _mm256_add_pd(g3, _mm256_cvtps_pd(_mm256_extractf128_ps(gb, 1)));
-        p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(pa)));
-        p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(pa, 1)));
-        p2 = _mm256_add_pd(p2, _mm256_cvtps_pd(_mm256_castps256_ps128(pb)));
-        p3 = _mm256_add_pd(p3, _mm256_cvtps_pd(_mm256_extractf128_ps(pb, 1)));
+        BNBW_ACCUMULATE16(dy + i, x + i, m, m);
     }
     double sg[BNBW_LANES], sxg[BNBW_LANES];
     _mm256_storeu_pd(sg, g0); _mm256_storeu_pd(sg + 4, g1);
@@ -154,7 +163,7 @@ static BNBW_SIMD void bnbw_reduce_channels(const float *x, const float *dy, int6
     for (int64_t c = 0; c < n; ++c) {
         float g = dy[c];
         sum_g[c] += (double)g;
-        sum_xg[c] += (double)((x[c] - mean[c]) * g);
+        sum_xg[c] += (double)(x[c] - mean[c]) * (double)g;
     }
 }
 
@@ -184,17 +193,7 @@ bnbw_reduce_rows_avx2(const float *x, int64_t x_row, const float *dy, int64_t dy
         const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
         const float *xr = x + c, *gr = dy + c;
         for (int64_t r = 0; r < rows; ++r, xr += x_row, gr += dy_row) {
-            __m256 ga = _mm256_loadu_ps(gr), gb = _mm256_loadu_ps(gr + 8);
-            __m256 pa = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xr), ma), ga);
-            __m256 pb = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xr + 8), mb), gb);
-            g0 = _mm256_add_pd(g0, _mm256_cvtps_pd(_mm256_castps256_ps128(ga)));
-            g1 = _mm256_add_pd(g1, _mm256_cvtps_pd(_mm256_extractf128_ps(ga, 1)));
-            g2 = _mm256_add_pd(g2, _mm256_cvtps_pd(_mm256_castps256_ps128(gb)));
-            g3 = _mm256_add_pd(g3, _mm256_cvtps_pd(_mm256_extractf128_ps(gb, 1)));
-            p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(pa)));
-            p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(pa, 1)));
-            p2 = _mm256_add_pd(p2, _mm256_cvtps_pd(_mm256_castps256_ps128(pb)));
-            p3 = _mm256_add_pd(p3, _mm256_cvtps_pd(_mm256_extractf128_ps(pb, 1)));
+            BNBW_ACCUMULATE16(gr, xr, ma, mb);
         }
         _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
         _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);

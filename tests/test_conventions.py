@@ -1,0 +1,249 @@
+"""The Intel spec (SPEC 3.2), nGraph (SPEC 3.3) and two-phase (SPEC 7) front-ends, and a
+cross-check that every front-end computes the same thing on the same data."""
+import numpy as np
+import pytest
+
+import bnbw_native as bn
+from bnbw_native import ngraph, onednn, reference
+
+try:
+    import ml_dtypes
+except ImportError:  # bf16 cases need ml_dtypes arrays
+    ml_dtypes = None
+
+BF16 = ml_dtypes.bfloat16 if ml_dtypes is not None else None
+needs_bf16 = pytest.mark.skipif(ml_dtypes is None, reason="bfloat16 arrays need ml_dtypes")
+
+# (T1, T2) combinations the oneDNN conventions accept, with the tolerance of their outputs.
+GRAPH_COMBOS = [
+    pytest.param(np.float32, np.float32, id="f32-f32"),
+    pytest.param(np.float16, np.float32, id="f16-f32"),
+    pytest.param("bf16", np.float32, id="bf16-f32", marks=needs_bf16),
+    pytest.param("bf16", "bf16", id="bf16-bf16", marks=needs_bf16),
+]
+TOLERANCE = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def dtype(t):
+    return BF16 if isinstance(t, str) else t
+
+
+def make(shape, axis, t1=np.float32, t2=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2 + 5).astype(dtype(t1))
+    dy = rng.standard_normal(shape).astype(dtype(t1))
+    axes = tuple(d for d in range(len(shape)) if d != axis)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=axes).astype(dtype(t2))
+    var = x64.var(axis=axes).astype(dtype(t2))
+    gamma = rng.uniform(0.5, 1.5, shape[axis]).astype(dtype(t2))
+    beta = rng.standard_normal(shape[axis]).astype(dtype(t2))
+    return x, dy, mean, var, gamma, beta
+
+
+def assert_matches(got, ref):
+    """Each output within its dtype's tolerance, relative to the largest reference value."""
+    for g, r in zip(got, ref):
+        tol = TOLERANCE[g.dtype.name]
+        scale = max(float(np.abs(r).max()), 1e-30)
+        err = float(np.abs(g.astype(np.float64) - r).max()) / scale
+        assert err <= tol, f"{g.dtype.name} error {err:.2e} > {tol:.1e}"
+
+
+def same_bits(a, b):
+    return all(np.asarray(u).tobytes() == np.asarray(v).tobytes() for u, v in zip(a, b))
+
+
+# ---- Intel spec BatchNormTrainingBackprop-1 ---------------------------------------------
+
+@pytest.mark.parametrize("t1,t2", GRAPH_COMBOS)
+@pytest.mark.parametrize("data_format,shape", [("NCX", (4, 6, 5, 7)), ("NXC", (4, 5, 7, 6)),
+                                               ("NXC", (30, 9))])
+@pytest.mark.parametrize("with_gamma", [True, False])
+def test_intel_spec_matches_reference(t1, t2, data_format, shape, with_gamma):
+    axis = 1 if data_format == "NCX" else len(shape) - 1
+    x, dy, mean, var, gamma, _ = make(shape, axis, t1, t2)
+    gamma = gamma if with_gamma else None
+    got = onednn.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=1e-3,
+                                              data_format=data_format)
+    assert isinstance(got, tuple) and len(got) == 3
+    assert got[0].dtype == x.dtype and got[1].dtype == mean.dtype and got[2].dtype == mean.dtype
+    ref = reference.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3,
+                                                data_format=data_format)
+    assert_matches(got, ref)
+
+
+def test_intel_spec_is_the_graph_training_result():
+    x, dy, mean, var, gamma, _ = make((5, 8, 9), 2)
+    a = onednn.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=1e-5)
+    b = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5)
+    assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("kwargs,error,name", [
+    (dict(input_forward=np.zeros((4, 3))), TypeError, "input_forward"),
+    (dict(output_delta=np.zeros((4, 5), np.float32)), ValueError, "output_delta"),
+    (dict(mean=np.zeros(4, np.float32)), ValueError, "mean"),
+    (dict(variance=np.zeros(3, np.float16)), TypeError, "variance"),
+    (dict(gamma=np.zeros((3, 1), np.float32)), ValueError, "gamma"),
+    (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(data_format="NHWC"), ValueError, "data_format"),
+    (dict(out=(np.zeros((4, 3), np.float32),)), ValueError, "out"),
+])
+def test_intel_spec_errors_name_its_arguments(kwargs, error, name):
+    args = dict(input_forward=np.ones((4, 3), np.float32),
+                output_delta=np.ones((4, 3), np.float32), mean=np.zeros(3, np.float32),
+                variance=np.ones(3, np.float32), gamma=None, epsilon=1e-5)
+    args.update(kwargs)
+    with pytest.raises(error, match=name):
+        onednn.batch_norm_training_backprop(**args)
+
+
+# ---- nGraph BatchNormTrainingBackprop -------------------------------------------------
+
+NGRAPH_TYPES = [pytest.param(np.float32, id="f32"), pytest.param(np.float16, id="f16"),
+                pytest.param("bf16", id="bf16", marks=needs_bf16)]
+
+
+@pytest.mark.parametrize("t", NGRAPH_TYPES)
+@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (7, 3), (2, 3, 4, 5, 6)])
+def test_ngraph_matches_reference(t, shape):
+    x, dy, mean, var, gamma, beta = make(shape, 1, t, t)
+    got = ngraph.batch_norm_training_backprop(x, gamma, beta, mean, var, dy, epsilon=1e-3)
+    assert [g.dtype for g in got] == [x.dtype] * 3
+    ref = reference.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3,
+                                                data_format="NCX")
+    assert_matches(got, ref)
+
+
+def test_ngraph_beta_does_not_enter_the_result():
+    x, dy, mean, var, gamma, beta = make((4, 6, 5), 1)
+    a = ngraph.batch_norm_training_backprop(x, gamma, beta, mean, var, dy, epsilon=1e-3)
+    b = ngraph.batch_norm_training_backprop(x, gamma, beta * 7 + 1, mean, var, dy,
+                                            epsilon=1e-3)
+    assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("which,value,error", [
+    ("beta", np.zeros(5, np.float32), ValueError),
+    ("beta", np.zeros(6, np.float16), TypeError),
+    ("beta", None, TypeError),
+    ("gamma", None, TypeError),
+    ("mean", np.zeros(6, np.float16), TypeError),
+    ("normalized_delta", np.zeros((4, 6, 5), np.float16), TypeError),
+    ("input", np.zeros(6, np.float32), ValueError),
+])
+def test_ngraph_refusals_name_the_argument(which, value, error):
+    x, dy, mean, var, gamma, beta = make((4, 6, 5), 1)
+    args = dict(input=x, gamma=gamma, beta=beta, mean=mean, variance=var, normalized_delta=dy)
+    args[which] = value
+    with pytest.raises(error, match=which):
+        ngraph.batch_norm_training_backprop(**args, epsilon=1e-3)
+
+
+# ---- two phases (SPEC 7) ----------------------------------------------------------------
+
+LAYOUTS = [("NCX", (3, 5, 70000)), ("NXC", (70000, 7)), ("NCX", (2, 64, 9, 9)),
+           ("NXC", (4, 9, 9, 33)), ("NXC", (1 << 17, 1))]
+
+
+@pytest.mark.parametrize("data_format,shape", LAYOUTS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_reduce_then_apply_is_training_bit_for_bit(data_format, shape, threads):
+    axis = 1 if data_format == "NCX" else len(shape) - 1
+    x, dy, mean, var, gamma, _ = make(shape, axis)
+    whole = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                           data_format=data_format, num_threads=1)
+    partial, count = bn.backward_reduce(x, dy, mean, data_format=data_format,
+                                        num_threads=threads)
+    assert partial.dtype == np.float64 and partial.shape == (2, shape[axis])
+    assert partial.flags.c_contiguous
+    assert isinstance(count, int) and count == x.size // shape[axis]
+    split = bn.backward_apply(x, dy, mean, var, gamma, partial, count, epsilon=1e-5,
+                              data_format=data_format, num_threads=threads)
+    assert isinstance(split, bn.BackwardResult)
+    assert same_bits(whole, split)
+
+
+def test_partial_holds_the_documented_sums():
+    x, dy, mean, _, _, _ = make((40, 3, 6), 1)
+    partial, count = bn.backward_reduce(x, dy, mean, data_format="NCX")
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    m = mean.astype(np.float64)[None, :, None]
+    np.testing.assert_allclose(partial[0], dy64.sum(axis=(0, 2)), rtol=1e-12, atol=1e-12)
+    # x - mean is formed in float32 (exact near the mean), its product with dy in float64
+    d = (x - mean[None, :, None]).astype(np.float64)
+    np.testing.assert_allclose(partial[1], (d * dy64).sum(axis=(0, 2)), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(partial[1], ((x64 - m) * dy64).sum(axis=(0, 2)), rtol=1e-6)
+    assert count == 40 * 6
+
+
+@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
+def test_uneven_shards_equal_the_whole_batch(data_format):
+    shape = (23, 6, 11) if data_format == "NCX" else (23, 11, 6)
+    axis = 1 if data_format == "NCX" else 2
+    x, dy, mean, var, gamma, _ = make(shape, axis)
+    whole = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                           data_format=data_format)
+    shards = [slice(0, 5), slice(5, 6), slice(6, 23)]
+    reduced = [bn.backward_reduce(x[s], dy[s], mean, data_format=data_format) for s in shards]
+    total = sum(p for p, _ in reduced)
+    count = sum(c for _, c in reduced)
+    parts = [bn.backward_apply(x[s], dy[s], mean, var, gamma, total, count, epsilon=1e-5,
+                               data_format=data_format) for s in shards]
+    dx = np.concatenate([p.diff_src for p in parts])
+    np.testing.assert_allclose(dx, whole.diff_src, rtol=1e-5, atol=1e-6)
+    for p in parts:
+        np.testing.assert_allclose(p.diff_gamma, whole.diff_gamma, rtol=1e-6)
+        np.testing.assert_allclose(p.diff_beta, whole.diff_beta, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("partial,count,error,name", [
+    (np.zeros((2, 3)), 10, ValueError, "partial"),
+    (np.zeros((2, 4), np.float32), 12, TypeError, "partial"),
+    (np.zeros((3, 4)), 12, ValueError, "partial"),
+    (np.zeros((2, 4)), 11, ValueError, "count"),
+    (np.zeros((2, 4)), 12.0, TypeError, "count"),
+])
+def test_apply_refuses_bad_sums(partial, count, error, name):
+    x, dy, mean, var, gamma, _ = make((3, 4, 4), 1)
+    with pytest.raises(error, match=name):
+        bn.backward_apply(x, dy, mean, var, gamma, partial, count, epsilon=1e-5,
+                          data_format="NCX")
+
+
+def test_apply_with_a_larger_global_count_is_accepted():
+    x, dy, mean, var, gamma, _ = make((3, 4, 4), 1)
+    partial, count = bn.backward_reduce(x, dy, mean, data_format="NCX")
+    res = bn.backward_apply(x, dy, mean, var, gamma, partial * 2, count * 2, epsilon=1e-5,
+                            data_format="NCX")
+    assert np.all(np.isfinite(res.diff_src))
+
+
+# ---- every front-end, one computation -------------------------------------------------
+
+def test_all_front_ends_agree():
+    x, dy, mean, var, gamma, beta = make((6, 5, 8, 7), 1)
+    graph = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-4,
+                                           data_format="NCX")
+    intel = onednn.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=1e-4,
+                                                data_format="NCX")
+    ngr = ngraph.batch_norm_training_backprop(x, gamma, beta, mean, var, dy, epsilon=1e-4)
+    partial, count = bn.backward_reduce(x, dy, mean, data_format="NCX")
+    two = bn.backward_apply(x, dy, mean, var, gamma, partial, count, epsilon=1e-4,
+                            data_format="NCX")
+    # NXC view of the same data: a different plan, the same values
+    nxc = bn.batchnorm_training_backward(np.moveaxis(x, 1, -1), np.moveaxis(dy, 1, -1), mean,
+                                         var, gamma, epsilon=1e-4, data_format="NXC")
+    for other in (intel, ngr, two):
+        assert same_bits(graph, other)
+    np.testing.assert_allclose(np.moveaxis(nxc.diff_src, -1, 1), graph.diff_src, rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(nxc.diff_gamma, graph.diff_gamma, rtol=1e-6)
+    dml = pytest.importorskip("bnbw_native.dml")
+    k = (1, 5, 1, 1)
+    got = dml.batch_normalization_training_grad(x, dy, mean.reshape(k), var.reshape(k),
+                                                gamma.reshape(k), 1e-4)
+    np.testing.assert_allclose(got[0], graph.diff_src, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1].ravel(), graph.diff_gamma, rtol=1e-6)
+    np.testing.assert_allclose(got[2].ravel(), graph.diff_beta, rtol=1e-6, atol=1e-6)
