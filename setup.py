@@ -22,6 +22,7 @@ import warnings
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 OPENMP_PROBE = textwrap.dedent(
     """
@@ -115,7 +116,20 @@ extensions = [
     extension("_capi", ["bnbw_native/_capi.pyx"]),
 ]
 
+class build_py_with_headers(build_py):
+    """Ship include/*.h inside the package, where bnbw_native.get_include() finds them."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "bnbw_native", "include")
+        self.mkpath(target)
+        for name in sorted(os.listdir("include")):
+            if name.endswith(".h"):
+                self.copy_file(os.path.join("include", name), os.path.join(target, name))
+
+
 setup(
+    cmdclass={"build_py": build_py_with_headers},
     ext_modules=cythonize(
         extensions,
         language_level=3,

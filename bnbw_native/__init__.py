@@ -15,10 +15,31 @@ from ._graph import batchnorm_training_backward
 from ._pipeline import BackwardResult
 from ._twophase import backward_apply, backward_reduce
 
+_SUBMODULES = ("dml", "half", "ngraph", "onednn", "reference")
+
+
+def __getattr__(name):
+    """Submodules load on first use, so `import bnbw_native` stays light."""
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def get_include():
+    """The directory holding bnbw_native.h and bnbw_half.h, for C extensions."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "include")
+    return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(here),
+                                                                   "include")
+
+
 __all__ = [
     "BackwardResult",
     "backward_apply",
     "backward_reduce",
+    "get_include",
     "batchnorm_training_backward",
     "get_num_threads",
     "set_num_threads",

@@ -161,8 +161,8 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
     p.channels = C
     p.count = M
     p.inner_size = 1
-    if C == 0 or M == 0:
-        p.empty = True
+    p.empty = C == 0 or M == 0
+    if C == 0:
         return 0
 
     # Channel origins, per slot: one stride when the kept dims merge, else a table.
@@ -187,6 +187,9 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
                     rem = rem // sizes[kept[i]]
                     s += idx * strides[t * MAX_DIMS + kept[i]]
                 p.chan_offset[t][c] = s
+
+    if M == 0:
+        return 0        # no element to visit; the channel origins above still place dscale, dbias
 
     # Reduced dims: flip negative ones, sort outermost first by |x stride|, merge.
     for i in range(nred):

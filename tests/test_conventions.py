@@ -240,7 +240,7 @@ def test_all_front_ends_agree():
     np.testing.assert_allclose(np.moveaxis(nxc.diff_src, -1, 1), graph.diff_src, rtol=1e-5,
                                atol=1e-6)
     np.testing.assert_allclose(nxc.diff_gamma, graph.diff_gamma, rtol=1e-6)
-    dml = pytest.importorskip("bnbw_native.dml")
+    from bnbw_native import dml
     k = (1, 5, 1, 1)
     got = dml.batch_normalization_training_grad(x, dy, mean.reshape(k), var.reshape(k),
                                                 gamma.reshape(k), 1e-4)

@@ -1,0 +1,352 @@
+"""DirectML ``DML_OPERATOR_BATCH_NORMALIZATION_GRAD`` and ``..._TRAINING_GRAD`` (SPEC 3.4; seed 004).
+
+Descriptors mirror ``DML_BUFFER_TENSOR_DESC``; operators are compiled once (every check runs
+then) and executed many times on raw memory::
+
+    from bnbw_native import dml
+    x = dml.TensorDesc("float32", (32, 64, 56, 56))
+    stats = dml.TensorDesc("float32", (1, 64, 1, 1))
+    op = dml.BatchNormalizationTrainingGrad(
+        input=x, input_gradient=x, mean=stats, variance=stats, scale=stats,
+        output_gradient=x, output_scale_gradient=stats, output_bias_gradient=stats,
+        epsilon=1e-5)
+    op.execute(input=x_buf, input_gradient=dy_buf, mean=m_buf, variance=v_buf, scale=g_buf,
+               output_gradient=dx_buf, output_scale_gradient=dg_buf,
+               output_bias_gradient=db_buf)
+
+DirectML's InputGradient is dy and OutputGradient is dx.  Sums run over the dims where the
+mean/variance/scale sizes are 1.  ``BatchNormalizationGrad`` keeps the statistics frozen (the
+seed's formulas); ``BatchNormalizationTrainingGrad`` gives the full training gradient.
+
+The descriptor and operator rules live once, in nogil code of ``bnbw_native._capi`` that C
+callers reach through ``include/bnbw_native.h``; this module checks Python types, calls it and
+turns its status codes into ``TypeError`` (data types) or ``ValueError`` (everything else).
+"""
+import numbers
+
+import numpy as np
+
+from . import _capi, _config, _core
+from ._pipeline import FORMULAS
+from ._validate import check_epsilon, check_rank, check_same_shape, dtype_name, float_input
+
+__all__ = [
+    "TensorDesc",
+    "BatchNormalizationGrad",
+    "BatchNormalizationTrainingGrad",
+    "batch_normalization_grad",
+    "batch_normalization_training_grad",
+]
+
+MEMBERS = _capi.MEMBERS          # input, input_gradient, mean, variance, scale, output_...
+DATA_TYPES = ("float32", "float16", "bfloat16")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_TYPE_ERRORS = {_capi.STATUS["ERROR_DATA_TYPE"]}
+
+
+def _call(function, *args):
+    """Run a _capi function; its status codes become the exceptions of SPEC 6."""
+    try:
+        return function(*args)
+    except _capi.Error as exc:
+        if exc.status in _TYPE_ERRORS:
+            raise TypeError(str(exc)) from None
+        if exc.status == _capi.STATUS["ERROR_OUT_OF_MEMORY"]:
+            raise MemoryError(str(exc)) from None
+        raise ValueError(str(exc)) from None
+
+
+def _data_type(value):
+    """The canonical name of a data type given as a name or a NumPy / ml_dtypes dtype."""
+    if isinstance(value, str):
+        name = value
+    else:
+        try:
+            name = np.dtype(value).name if value is not None else None
+        except TypeError:
+            name = None
+    if name not in DATA_TYPES:
+        raise TypeError(f"data_type must be 'float32', 'float16' or 'bfloat16', got {value!r}")
+    return name
+
+
+def _int(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _int_tuple(values, name):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return tuple(_int(v, f"{name}[{i}]") for i, v in enumerate(values))
+
+
+class TensorDesc:
+    """``DML_BUFFER_TENSOR_DESC``: a data type, 1 to 8 sizes, strides in elements.
+
+    data_type: "float32", "float16" or "bfloat16" (or the NumPy / ml_dtypes dtype).
+    sizes: positive ints.  strides: non-negative ints in **elements** (0 = broadcast), or None
+    for packed row-major.  total_tensor_size_in_bytes: at least the minimum size
+    (sum (size - 1) * stride + 1) * item size; None gives the minimum rounded up to 4 bytes.
+    A buffer bound at execute time needs only the minimum size.  Immutable; equal when the data
+    type, sizes, element strides and total size are."""
+
+    __slots__ = ("_data_type", "_sizes", "_strides", "_total", "_minimum", "_element_strides")
+
+    def __init__(self, data_type, sizes, strides=None, total_tensor_size_in_bytes=None):
+        data_type = _data_type(data_type)
+        sizes = _int_tuple(sizes, "sizes")
+        if strides is not None:
+            strides = _int_tuple(strides, "strides")
+            if len(strides) != len(sizes):
+                raise ValueError(f"strides must have one entry per dimension ({len(sizes)}), "
+                                 f"got {len(strides)}")
+        total = total_tensor_size_in_bytes
+        if total is not None:
+            total = _int(total, "total_tensor_size_in_bytes")
+        minimum, total = _call(_capi.tensor_sizes,
+                               (_capi.DATA_TYPES[data_type], sizes, strides, total))
+        if strides is None:
+            packed, step = [], 1
+            for size in reversed(sizes):
+                packed.append(step)
+                step *= size
+            element_strides = tuple(reversed(packed))
+        else:
+            element_strides = strides
+        for slot, value in (("_data_type", data_type), ("_sizes", sizes), ("_strides", strides),
+                            ("_total", total), ("_minimum", minimum),
+                            ("_element_strides", element_strides)):
+            object.__setattr__(self, slot, value)
+
+    @classmethod
+    def from_array(cls, array, data_type=None):
+        """The descriptor of a NumPy array's memory (non-negative strides that are multiples of
+        the item size).  data_type overrides the array's dtype, e.g. "bfloat16" for uint16 bit
+        patterns."""
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"array must be a NumPy array, got {type(array).__name__}")
+        data_type = _data_type(array.dtype if data_type is None else data_type)
+        itemsize = _ITEMSIZE[data_type]
+        if array.dtype.itemsize != itemsize:
+            raise TypeError(f"array has {array.dtype.itemsize}-byte items, data_type "
+                            f"{data_type} needs {itemsize}")
+        # a size-1 dim's stride never matters (NumPy may give it any value)
+        strides = [0 if n == 1 and (s < 0 or s % itemsize) else s
+                   for n, s in zip(array.shape, array.strides)]
+        if any(s < 0 or s % itemsize for s in strides):
+            raise ValueError(f"strides must be non-negative multiples of the item size, got "
+                             f"byte strides {array.strides}")
+        return cls(data_type, array.shape, tuple(s // itemsize for s in strides))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("TensorDesc is immutable")
+
+    def __reduce__(self):
+        return (TensorDesc, (self._data_type, self._sizes, self._strides, self._total))
+
+    def __delattr__(self, name):
+        raise AttributeError("TensorDesc is immutable")
+
+    @property
+    def data_type(self):
+        return self._data_type
+
+    @property
+    def sizes(self):
+        return self._sizes
+
+    @property
+    def strides(self):
+        """The strides as given (None = packed)."""
+        return self._strides
+
+    @property
+    def element_strides(self):
+        """The strides in elements, packed ones filled in."""
+        return self._element_strides
+
+    @property
+    def dimension_count(self):
+        return len(self._sizes)
+
+    @property
+    def total_tensor_size_in_bytes(self):
+        return self._total
+
+    @property
+    def minimum_size_in_bytes(self):
+        """What a bound buffer must hold: (sum (size - 1) * stride + 1) * item size."""
+        return self._minimum
+
+    @property
+    def itemsize(self):
+        return _ITEMSIZE[self._data_type]
+
+    def _key(self):
+        return (self._data_type, self._sizes, self._element_strides, self._total)
+
+    def _spec(self):
+        return (_capi.DATA_TYPES[self._data_type], self._sizes, self._strides, self._total)
+
+    def __eq__(self, other):
+        if not isinstance(other, TensorDesc):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return (f"TensorDesc(data_type={self._data_type!r}, sizes={self._sizes}, "
+                f"strides={self._strides}, total_tensor_size_in_bytes={self._total})")
+
+
+class _Operator:
+    """An operator compiled once; execute() binds memory and runs it (GIL released)."""
+
+    _type = None
+    feature_level = None
+
+    def __init__(self, *, input, input_gradient, mean, variance, scale, output_gradient,
+                 output_scale_gradient, output_bias_gradient, epsilon):
+        descs = (input, input_gradient, mean, variance, scale, output_gradient,
+                 output_scale_gradient, output_bias_gradient)
+        for name, desc in zip(MEMBERS, descs):
+            if not isinstance(desc, TensorDesc):
+                raise TypeError(f"{name} must be a bnbw_native.dml.TensorDesc, got "
+                                f"{type(desc).__name__}")
+        eps = check_epsilon(epsilon)
+        self._op = _call(_capi.Operator, self._type, [d._spec() for d in descs], eps)
+        self._descs = dict(zip(MEMBERS, descs))
+        self._epsilon = eps
+
+    def execute(self, *, input, input_gradient, mean, variance, scale, output_gradient,
+                output_scale_gradient, output_bias_gradient, num_threads=None):
+        """Bind one buffer per member and run.
+
+        Each buffer: a buffer-protocol object (bytes, bytearray, memoryview, ctypes array, NumPy
+        array of any dtype, read as raw contiguous memory; writable for the outputs) holding at
+        least the descriptor's minimum size, or a positive int address (trusted).  Output
+        buffers must not overlap each other nor the inputs, except output_gradient over
+        input_gradient with identical descriptors (in place).  Returns None."""
+        buffers = (input, input_gradient, mean, variance, scale, output_gradient,
+                   output_scale_gradient, output_bias_gradient)
+        nthreads = _config.resolve_threads(_config.check_num_threads(num_threads))
+        _call(self._op.execute, buffers, nthreads)
+
+    @property
+    def epsilon(self):
+        """The f32 epsilon, as a float."""
+        return self._epsilon
+
+    @property
+    def plan_kind(self):
+        """The engine's plan: "channel-last" (channels are the unit-stride inner dim),
+        "channel-major" or "empty"."""
+        return self._op.kind
+
+    @property
+    def count(self):
+        """M: the elements summed per statistics element."""
+        return self._op.count
+
+    def __getattr__(self, name):
+        descs = self.__dict__.get("_descs")
+        if descs is not None and name in descs:
+            return descs[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self):
+        members = ", ".join(f"{k}={v!r}" for k, v in self._descs.items())
+        return f"{type(self).__name__}({members}, epsilon={self._epsilon!r})"
+
+
+class BatchNormalizationGrad(_Operator):
+    """``DML_OPERATOR_BATCH_NORMALIZATION_GRAD`` (DML_FEATURE_LEVEL_3_1): frozen statistics.
+
+    With r = 1/sqrt(variance + epsilon), sums over the dims where mean's size is 1:
+    output_gradient = input_gradient * scale * r;
+    output_scale_gradient = sum(input_gradient * (input - mean)) * r;
+    output_bias_gradient = sum(input_gradient)."""
+
+    _type = "grad"
+    feature_level = "DML_FEATURE_LEVEL_3_1"
+
+
+class BatchNormalizationTrainingGrad(_Operator):
+    """``DML_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD`` (DML_FEATURE_LEVEL_4_1): the training
+    gradient, through the batch statistics (mean is used).
+
+    Parameter gradients as BatchNormalizationGrad; with M elements per statistics element,
+    output_gradient = scale * r * (input_gradient - output_bias_gradient / M
+                                   - (input - mean) * r * output_scale_gradient / M)."""
+
+    _type = "training_grad"
+    feature_level = "DML_FEATURE_LEVEL_4_1"
+
+
+# ---- array conveniences -------------------------------------------------------------------
+
+def batch_normalization_grad(input, input_gradient, mean, variance, scale, epsilon, *,
+                             num_threads=None):
+    """BatchNormalizationGrad on NumPy arrays: frozen statistics.
+
+    input, input_gradient: one shape, rank 1 to 8, any strides (negative included); mean,
+    variance, scale: the DirectML layout, same rank with size 1 on the summed dims and the
+    input's size elsewhere.  Every array float32, float16 or bfloat16 (ml_dtypes), all the same.
+    Returns (output_gradient, output_scale_gradient, output_bias_gradient): output_gradient laid
+    out like input, the others shaped like mean."""
+    return _array_grad("frozen", input, input_gradient, mean, variance, scale, epsilon,
+                       num_threads)
+
+
+def batch_normalization_training_grad(input, input_gradient, mean, variance, scale, epsilon, *,
+                                      num_threads=None):
+    """BatchNormalizationTrainingGrad on NumPy arrays: the training gradient.  Arguments and
+    results as batch_normalization_grad."""
+    return _array_grad("training", input, input_gradient, mean, variance, scale, epsilon,
+                       num_threads)
+
+
+def _array_grad(formula, input, input_gradient, mean, variance, scale, epsilon, num_threads):
+    x = float_input(input, "input")
+    check_rank(x, "input", 1, 8)
+    data_type = dtype_name(x)
+    arrays = [x]
+    for name, obj in (("input_gradient", input_gradient), ("mean", mean),
+                      ("variance", variance), ("scale", scale)):
+        arr = float_input(obj, name)
+        if dtype_name(arr) != data_type:
+            raise TypeError(f"{name} must have input's data type ({data_type}), got "
+                            f"{dtype_name(arr)}; all tensors share one data type")
+        arrays.append(arr)
+    x, dy, mu, var, gamma = arrays
+    check_same_shape(dy, "input_gradient", x.shape, "input")
+    if mu.ndim != x.ndim:
+        raise ValueError(f"mean must have input's {x.ndim} dimensions (size 1 on the summed "
+                         f"dims, the input's size elsewhere), got shape {mu.shape}")
+    for d, (size, full) in enumerate(zip(mu.shape, x.shape)):
+        if size != 1 and size != full:
+            raise ValueError(f"mean: dim {d} must be 1 (a summed dim) or input's {full}, "
+                             f"got shape {mu.shape}")
+    check_same_shape(var, "variance", mu.shape, "mean")
+    check_same_shape(gamma, "scale", mu.shape, "mean")
+    eps = check_epsilon(epsilon)
+    nthreads = _config.resolve_threads(_config.check_num_threads(num_threads))
+
+    dx = np.empty_like(x)                     # keeps input's memory order (NHWC stays NHWC)
+    dscale = np.empty(mu.shape, x.dtype)
+    dbias = np.empty(mu.shape, x.dtype)
+    reduced = [size == 1 for size in mu.shape]
+    operands = [x, dy, dx, mu, var, gamma, dscale, dbias]     # the engine's slot order
+    code = _core.DTYPE_CODES[data_type]
+    engine = _core.Engine(x.shape, reduced, [a.strides for a in operands], code, code)
+    if engine.count == 0:
+        # an empty batch: empty output_gradient, zero parameter gradients (SPEC 1)
+        dscale[...] = 0
+        dbias[...] = 0
+        return dx, dscale, dbias
+    engine.execute(operands, FORMULAS[formula], eps, float(engine.count), None, nthreads)
+    return dx, dscale, dbias

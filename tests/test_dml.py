@@ -1,0 +1,838 @@
+"""DirectML front-end (SPEC 3.4): descriptors, both operators, every constraint, the conveniences."""
+import copy
+import ctypes
+import itertools
+import pickle
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import bnbw_native
+from bnbw_native import dml
+
+try:
+    import ml_dtypes
+except ImportError:      # bf16 through uint16 bit patterns still runs
+    ml_dtypes = None
+
+try:
+    from bnbw_native.reference import backward as reference_backward
+except ImportError:      # the package reference is not there yet: the same formulas, here
+    reference_backward = None
+
+
+def local_backward(x, dy, mean, variance, scale=None, *, epsilon, reduce_axes,
+                   formula="training", count=None):
+    """SPEC 1 in float64, statistics keepdims-shaped."""
+    x, dy, mean, variance = (np.asarray(a, np.float64) for a in (x, dy, mean, variance))
+    gamma = 1.0 if scale is None else np.asarray(scale, np.float64)
+    axes = tuple(reduce_axes)
+    m = count if count is not None else int(np.prod([x.shape[a] for a in axes]))
+    r = 1.0 / np.sqrt(variance + epsilon)
+    dbias = dy.sum(axis=axes, keepdims=True)
+    dscale = r * ((x - mean) * dy).sum(axis=axes, keepdims=True)
+    if formula == "frozen":
+        dx = gamma * r * dy
+    else:
+        dx = gamma * r * (dy - dbias / m - (x - mean) * r * dscale / m)
+    return dx, dscale, dbias
+
+
+BACKWARD = reference_backward or local_backward
+
+EPS = 1e-3
+EPS32 = float(np.float32(EPS))
+OPERATORS = {"frozen": dml.BatchNormalizationGrad, "training": dml.BatchNormalizationTrainingGrad}
+CONVENIENCES = {"frozen": dml.batch_normalization_grad,
+                "training": dml.batch_normalization_training_grad}
+# relative tolerance per data type, applied against the largest reference value too
+TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+DTYPES = ["float32", "float16"] + (["bfloat16"] if ml_dtypes is not None else [])
+
+
+def np_dtype(name):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def reference(formula, x, dy, mean, var, scale):
+    f64 = [np.asarray(a).astype(np.float64) for a in (x, dy, mean, var, scale)]
+    axes = [d for d in range(f64[0].ndim) if f64[2].shape[d] == 1]
+    return BACKWARD(*f64, epsilon=EPS32, reduce_axes=axes, formula=formula)
+
+
+def check_close(got, want, dtype_name):
+    tol = TOL[dtype_name]
+    got = np.asarray(got).astype(np.float64)
+    scale = max(float(np.max(np.abs(want))), 1e-30) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
+
+
+def laid_out(values, order, pad=0):
+    """A copy of `values` whose memory runs through the dims in `order` (outermost first), the
+    innermost memory dim padded by `pad` elements: a strided view of a bigger buffer."""
+    perm_shape = [values.shape[d] for d in order]
+    perm_shape[-1] += pad
+    base = np.zeros(perm_shape, values.dtype)
+    view = base[tuple(slice(0, values.shape[d]) for d in order)]
+    view[...] = values.transpose(order)
+    out = view.transpose(np.argsort(order))
+    assert np.array_equal(out, values)
+    return out
+
+
+def make_problem(shape, stats_shape, dtype_name="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    dt = np_dtype(dtype_name)
+    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32).astype(dt)
+    dy = rng.standard_normal(shape).astype(np.float32).astype(dt)
+    mean = (3 + 0.1 * rng.standard_normal(stats_shape)).astype(np.float32).astype(dt)
+    var = (4 + rng.random(stats_shape)).astype(np.float32).astype(dt)
+    scale = (1 + rng.standard_normal(stats_shape)).astype(np.float32).astype(dt)
+    return x, dy, mean, var, scale
+
+
+def descs_for(x, dy, mean, var, scale, dx=None, ds=None, data_type=None):
+    """Descriptors of the arrays' own layouts; outputs like x and mean unless given."""
+    d = lambda a: dml.TensorDesc.from_array(a, data_type)     # noqa: E731
+    dx = x if dx is None else dx
+    ds = mean if ds is None else ds
+    return dict(input=d(x), input_gradient=d(dy), mean=d(mean), variance=d(var), scale=d(scale),
+                output_gradient=d(dx), output_scale_gradient=d(ds),
+                output_bias_gradient=d(ds))
+
+
+def memory_of(view):
+    """What to bind for a strided view: the contiguous array that starts where the view starts
+    (a buffer is contiguous raw memory), else the view's address."""
+    arr = view
+    while isinstance(arr, np.ndarray):
+        if (arr.flags.c_contiguous or arr.flags.f_contiguous) \
+                and arr.ctypes.data == view.ctypes.data:
+            return arr
+        arr = arr.base
+    return view.ctypes.data
+
+
+def run_operator(formula, x, dy, mean, var, scale, *, dx=None, num_threads=None):
+    """Build the operator from the arrays' own layouts, execute, return the three outputs."""
+    dx = np.empty_like(x) if dx is None else dx
+    ds = np.empty(mean.shape, mean.dtype)
+    db = np.empty(mean.shape, mean.dtype)
+    op = OPERATORS[formula](**descs_for(x, dy, mean, var, scale, dx, ds), epsilon=EPS)
+    bufs = [memory_of(a) for a in (x, dy, mean, var, scale, dx, ds, db)]
+    op.execute(**dict(zip(MEMBER_NAMES, bufs)), num_threads=num_threads)
+    return dx, ds, db
+
+
+def packed(shape, data_type="float32"):
+    return dml.TensorDesc(data_type, shape)
+
+
+def members(big=(2, 3, 4), stats=(1, 3, 1), data_type="float32", **override):
+    m = dict(input=packed(big, data_type), input_gradient=packed(big, data_type),
+             mean=packed(stats, data_type), variance=packed(stats, data_type),
+             scale=packed(stats, data_type), output_gradient=packed(big, data_type),
+             output_scale_gradient=packed(stats, data_type),
+             output_bias_gradient=packed(stats, data_type), epsilon=EPS)
+    m.update(override)
+    return m
+
+
+MEMBER_NAMES = ["input", "input_gradient", "mean", "variance", "scale", "output_gradient",
+                "output_scale_gradient", "output_bias_gradient"]
+OUTPUT_NAMES = MEMBER_NAMES[5:]
+
+
+# ---- TensorDesc ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data_type, sizes, strides, minimum, total", [
+    ("float32", (2, 3), None, 24, 24),
+    ("float16", (3,), None, 6, 8),
+    ("bfloat16", (1, 3, 1), None, 6, 8),
+    ("float32", (2, 3), (0, 1), 12, 12),
+    ("float32", (2, 3), (4, 1), 28, 28),
+    ("float16", (2, 3), (1, 2), 12, 12),
+    ("float16", (5, 1), (1, 1000), 10, 12),
+    ("float32", (2,) * 8, None, 1024, 1024),
+])
+def test_desc_sizes(data_type, sizes, strides, minimum, total):
+    desc = dml.TensorDesc(data_type, sizes, strides)
+    assert desc.minimum_size_in_bytes == minimum
+    assert desc.total_tensor_size_in_bytes == total
+    assert desc.sizes == sizes and desc.strides == strides and desc.data_type == data_type
+
+
+def test_desc_value_semantics():
+    a = dml.TensorDesc("float32", [2, 3])
+    b = dml.TensorDesc(np.float32, (np.int64(2), 3), (3, 1), 24)
+    assert a == b and hash(a) == hash(b)
+    assert a != dml.TensorDesc("float32", (2, 3), total_tensor_size_in_bytes=28)
+    assert a != dml.TensorDesc("float16", (2, 3))
+    assert eval(repr(a), {"TensorDesc": dml.TensorDesc}) == a
+    assert "sizes=(2, 3)" in repr(a)
+    assert a.element_strides == (3, 1) and a.dimension_count == 2 and a.itemsize == 4
+    with pytest.raises(AttributeError):
+        a.sizes = (1,)
+    assert pickle.loads(pickle.dumps(a)) == a and copy.deepcopy(a) == a
+
+
+def test_desc_from_array():
+    base = np.zeros((4, 5, 6), np.float16)
+    desc = dml.TensorDesc.from_array(base.transpose(2, 0, 1)[:, 1:3])
+    assert desc.sizes == (6, 2, 5) and desc.strides == (1, 30, 6)
+    assert dml.TensorDesc.from_array(np.zeros(3, np.uint16), "bfloat16").data_type == "bfloat16"
+    assert dml.TensorDesc.from_array(np.zeros((1, 3), np.float32)[::-1]).sizes == (1, 3)
+    with pytest.raises(ValueError, match="strides"):
+        dml.TensorDesc.from_array(base[::-1])
+    with pytest.raises(TypeError, match="data_type"):
+        dml.TensorDesc.from_array(np.zeros(3))
+
+
+@pytest.mark.parametrize("sizes", [(0,), (2, 0, 3), (-1, 2)])
+def test_desc_size_not_positive(sizes):
+    with pytest.raises(ValueError, match=r"sizes\[\d\] must be a positive integer"):
+        dml.TensorDesc("float32", sizes)
+
+
+@pytest.mark.parametrize("sizes", [(2.0, 3), ("2", 3), (None,), (True, 2), 5, "23", None])
+def test_desc_sizes_not_ints(sizes):
+    with pytest.raises(TypeError, match="sizes"):
+        dml.TensorDesc("float32", sizes)
+
+
+@pytest.mark.parametrize("ndim", [0, 9])
+def test_desc_dimension_count(ndim):
+    with pytest.raises(ValueError, match="sizes must have 1 to 8 dimensions"):
+        dml.TensorDesc("float32", (1,) * ndim)
+
+
+@pytest.mark.parametrize("data_type", ["float64", "int8", "uint16", "FLOAT", np.float64, None, 4])
+def test_desc_data_type(data_type):
+    with pytest.raises(TypeError, match="data_type"):
+        dml.TensorDesc(data_type, (2,))
+
+
+@pytest.mark.parametrize("strides, error", [
+    ((-1, 1), ValueError), ((3,), ValueError), ((3, 1, 1), ValueError), ((3.0, 1), TypeError),
+    (3, TypeError), ((2 ** 70, 1), ValueError),
+])
+def test_desc_strides(strides, error):
+    with pytest.raises(error, match="strides"):
+        dml.TensorDesc("float32", (2, 3), strides)
+
+
+@pytest.mark.parametrize("sizes, strides", [
+    ((2 ** 62, 4), None), ((2 ** 31,) * 3, None), ((2 ** 70,), None),
+    ((3, 2), (2 ** 62, 1)), ((2 ** 40, 2 ** 40), (1, 2 ** 40)), ((2 ** 61,), (2,)),
+])
+def test_desc_byte_count_overflow(sizes, strides):
+    with pytest.raises(ValueError, match="64"):
+        dml.TensorDesc("float32", sizes, strides)
+
+
+@pytest.mark.parametrize("total, error", [(23, ValueError), (0, ValueError), (-4, ValueError),
+                                          (24.0, TypeError), ("24", TypeError)])
+def test_desc_total_size(total, error):
+    with pytest.raises(error, match="total_tensor_size_in_bytes"):
+        dml.TensorDesc("float32", (2, 3), None, total)
+
+
+def test_desc_total_size_at_least_minimum_accepted():
+    assert dml.TensorDesc("float16", (3,), None, 6).total_tensor_size_in_bytes == 6
+    assert dml.TensorDesc("float16", (3,), None, 2 ** 64 - 1).total_tensor_size_in_bytes \
+        == 2 ** 64 - 1
+
+
+# ---- operator construction ----------------------------------------------------------------
+
+@pytest.fixture(params=sorted(OPERATORS))
+def operator_class(request):
+    return OPERATORS[request.param]
+
+
+@pytest.mark.parametrize("member", MEMBER_NAMES)
+def test_member_must_be_desc(operator_class, member):
+    with pytest.raises(TypeError, match=member):
+        operator_class(**members(**{member: (2, 3, 4)}))
+
+
+@pytest.mark.parametrize("member", MEMBER_NAMES[1:])
+def test_data_types_must_match(operator_class, member):
+    shape = (2, 3, 4) if member in ("input_gradient", "output_gradient") else (1, 3, 1)
+    with pytest.raises(TypeError, match=f"{member}: data_type float16 differs"):
+        operator_class(**members(**{member: packed(shape, "float16")}))
+
+
+@pytest.mark.parametrize("member", ["input_gradient", "mean", "output_bias_gradient"])
+def test_dimension_counts_must_match(operator_class, member):
+    shape = (2, 3, 4, 1) if member == "input_gradient" else (3,)
+    with pytest.raises(ValueError, match=f"{member}: sizes have"):
+        operator_class(**members(**{member: packed(shape)}))
+
+
+@pytest.mark.parametrize("member", ["input_gradient", "output_gradient"])
+def test_input_sizes_must_match(operator_class, member):
+    with pytest.raises(ValueError, match=f"{member}: sizes.*share sizes"):
+        operator_class(**members(**{member: packed((2, 3, 5))}))
+
+
+@pytest.mark.parametrize("member", ["variance", "scale", "output_scale_gradient",
+                                    "output_bias_gradient"])
+def test_stats_sizes_must_match(operator_class, member):
+    with pytest.raises(ValueError, match=f"{member}: sizes.*share sizes"):
+        operator_class(**members(**{member: packed((1, 3, 4))}))
+
+
+@pytest.mark.parametrize("stats", [(2, 2, 1), (1, 3, 3), (1, 4, 1)])
+def test_stats_dims_one_or_input(operator_class, stats):
+    with pytest.raises(ValueError, match="mean: sizes.*must be 1 .*or input's"):
+        operator_class(**members(stats=stats))
+
+
+@pytest.mark.parametrize("epsilon, error", [
+    (0.0, ValueError), (-1e-5, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    (1e-50, ValueError), (1e39, ValueError), ("1e-5", TypeError), (None, TypeError),
+    (True, TypeError), (1e-5j, TypeError),
+])
+def test_epsilon_refused(operator_class, epsilon, error):
+    with pytest.raises(error, match="epsilon"):
+        operator_class(**members(epsilon=epsilon))
+
+
+@pytest.mark.parametrize("epsilon", [1e-5, np.float32(1e-3), 1, np.float64(1e-40), 3e38])
+def test_epsilon_accepted(operator_class, epsilon):
+    assert operator_class(**members(epsilon=epsilon)).epsilon == float(np.float32(epsilon))
+
+
+@pytest.mark.parametrize("member", OUTPUT_NAMES)
+@pytest.mark.parametrize("sizes, strides, why", [
+    ((2, 3, 4), (12, 0, 1), "strides\\[1\\] is 0"),
+    ((2, 3, 4), (1, 1, 1), "share memory"),
+    ((2, 3, 4), (12, 1, 2), "share memory"),
+    ((2, 3, 4), (6, 2, 1), "share memory"),
+])
+def test_output_must_not_overlap_itself(operator_class, member, sizes, strides, why):
+    if member != "output_gradient":        # statistics-shaped members
+        sizes, strides = (1, 3, 4), strides
+    override = {member: dml.TensorDesc("float32", sizes, strides)}
+    if member != "output_gradient":
+        override.update({m: packed(sizes) for m in ("mean", "variance", "scale",
+                                                    "output_scale_gradient",
+                                                    "output_bias_gradient") if m != member})
+    with pytest.raises(ValueError, match=f"{member}: .*{why}"):
+        operator_class(**members(**override))
+
+
+@pytest.mark.parametrize("sizes, strides", [
+    ((3, 2), (2, 3)),            # interleaved but disjoint: offsets 0, 3, 2, 5, 4, 7
+    ((2, 3, 4), (1, 8, 2)),      # a permutation of packed
+    ((2, 3, 4), (100, 30, 7)),   # padded
+    ((1, 3, 4), (0, 4, 1)),      # stride 0 on a size-1 dim shares nothing
+])
+def test_output_layouts_that_do_not_overlap(sizes, strides):
+    desc = dml.TensorDesc("float32", sizes, strides)
+    stats = (1, sizes[1]) + (1,) * (len(sizes) - 2)
+    op = dml.BatchNormalizationGrad(**members(big=sizes, stats=stats, output_gradient=desc))
+    assert op.output_gradient == desc
+
+
+def test_output_overlap_decision_is_exact():
+    """Refused exactly when two elements share an address (brute force on small layouts)."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        ndim = int(rng.integers(1, 4))
+        sizes = tuple(int(v) for v in rng.integers(1, 5, ndim))
+        strides = tuple(int(v) for v in rng.integers(0, 8, ndim))
+        offsets = [sum(i * s for i, s in zip(index, strides))
+                   for index in itertools.product(*(range(n) for n in sizes))]
+        disjoint = len(set(offsets)) == len(offsets)
+        stats = (1,) * ndim
+        override = dict(output_gradient=dml.TensorDesc("float32", sizes, strides))
+        try:
+            dml.BatchNormalizationGrad(**members(big=sizes, stats=stats, **override))
+            accepted = True
+        except ValueError as exc:
+            assert "output_gradient" in str(exc)
+            accepted = False
+        assert accepted == disjoint, (sizes, strides)
+
+
+def test_feature_levels_and_repr():
+    assert dml.BatchNormalizationGrad.feature_level == "DML_FEATURE_LEVEL_3_1"
+    assert dml.BatchNormalizationTrainingGrad.feature_level == "DML_FEATURE_LEVEL_4_1"
+    op = dml.BatchNormalizationGrad(**members())
+    assert repr(op).startswith("BatchNormalizationGrad(input=TensorDesc(")
+    assert "epsilon=0.001" in repr(op) and op.mean == packed((1, 3, 1))
+
+
+def test_broadcast_inputs_accepted(operator_class):
+    bcast = dml.TensorDesc("float32", (2, 3, 4), (0, 4, 1))
+    stats = dml.TensorDesc("float32", (1, 3, 1), (0, 0, 0))
+    op = operator_class(**members(input=bcast, input_gradient=bcast, mean=stats, variance=stats,
+                                  scale=stats))
+    assert op.input == bcast and op.count == 8
+
+
+# ---- execute: buffers ---------------------------------------------------------------------
+
+@pytest.fixture
+def simple():
+    """An operator on (2, 3, 4) float32 with stats (1, 3, 1), and fresh buffers for it."""
+    def make(formula="training"):
+        x, dy, mean, var, scale = make_problem((2, 3, 4), (1, 3, 1))
+        op = OPERATORS[formula](**members())
+        bufs = dict(input=x, input_gradient=dy, mean=mean, variance=var, scale=scale,
+                    output_gradient=np.full_like(x, 7.0), output_scale_gradient=np.full_like(mean, 7.0),
+                    output_bias_gradient=np.full_like(mean, 7.0))
+        return op, bufs
+    return make
+
+
+def assert_untouched(bufs):
+    for name, buf in bufs.items():
+        if name in OUTPUT_NAMES:
+            assert np.all(np.asarray(buf).view(np.float32) == 7.0), name
+
+
+@pytest.mark.parametrize("member", MEMBER_NAMES)
+def test_buffer_too_small(simple, member):
+    op, bufs = simple()
+    bufs[member] = np.asarray(bufs[member]).reshape(-1)[:-1]
+    with pytest.raises(ValueError, match=f"{member}: the buffer holds"):
+        op.execute(**bufs)
+    if member not in OUTPUT_NAMES:
+        assert_untouched(bufs)
+
+
+def test_buffer_needs_only_the_minimum_size():
+    x, dy, mean, var, scale = make_problem((5, 3), (1, 3), "float16")
+    descs = descs_for(x, dy, mean, var, scale)
+    assert descs["mean"].total_tensor_size_in_bytes == 8
+    op = dml.BatchNormalizationGrad(**descs, epsilon=EPS)
+    ds, db = bytearray(6), bytearray(6)
+    op.execute(input=x, input_gradient=dy, mean=mean.tobytes(), variance=var, scale=scale,
+               output_gradient=np.empty_like(x), output_scale_gradient=ds,
+               output_bias_gradient=db)
+    want = reference("frozen", x, dy, mean, var, scale)
+    check_close(np.frombuffer(ds, np.float16).reshape(1, 3), want[1], "float16")
+
+
+@pytest.mark.parametrize("member", OUTPUT_NAMES)
+@pytest.mark.parametrize("kind", ["bytes", "readonly-array", "readonly-memoryview"])
+def test_read_only_output(simple, member, kind):
+    op, bufs = simple()
+    arr = np.asarray(bufs[member])
+    if kind == "bytes":
+        bufs[member] = arr.tobytes()
+    elif kind == "readonly-array":
+        arr.flags.writeable = False
+    else:
+        bufs[member] = memoryview(arr.tobytes())
+    with pytest.raises(ValueError, match=f"{member}: .*read-only"):
+        op.execute(**bufs)
+
+
+@pytest.mark.parametrize("member", ["input", "output_gradient"])
+def test_non_contiguous_buffer(simple, member):
+    op, bufs = simple()
+    wide = np.zeros(2 * 24, np.float32)
+    bufs[member] = memoryview(wide)[::2]
+    with pytest.raises(ValueError, match=f"{member}: .*not contiguous"):
+        op.execute(**bufs)
+    bufs[member] = wide[::2]
+    with pytest.raises(ValueError, match=f"{member}: .*not contiguous"):
+        op.execute(**bufs)
+
+
+@pytest.mark.parametrize("obj", ["abc", [1.0] * 24, 1.5, None, True, object(),
+                                 np.full(24, 1.0, dtype=object)])
+@pytest.mark.parametrize("member", ["input", "output_bias_gradient"])
+def test_buffer_wrong_kind(simple, obj, member):
+    op, bufs = simple()
+    bufs[member] = obj
+    with pytest.raises(TypeError, match=member):
+        op.execute(**bufs)
+
+
+@pytest.mark.parametrize("address", [0, -8])
+def test_bad_int_address(simple, address):
+    op, bufs = simple()
+    bufs["scale"] = address
+    with pytest.raises(ValueError, match="scale: an integer address"):
+        op.execute(**bufs)
+
+
+@pytest.mark.parametrize("member", ["input", "output_gradient"])
+def test_misaligned_float32_buffer(simple, member):
+    op, bufs = simple()
+    raw = bytearray(24 * 4 + 1)
+    bufs[member] = memoryview(raw)[1:]
+    with pytest.raises(ValueError, match=f"{member}: address .* not aligned"):
+        op.execute(**bufs)
+    assert_untouched(bufs) if member == "input" else None
+
+
+@pytest.mark.parametrize("output, other, match", [
+    ("output_gradient", "input", "overlaps the input input"),
+    ("output_gradient", "mean", None),
+    ("output_scale_gradient", "mean", "overlaps the input mean"),
+    ("output_bias_gradient", "scale", "overlaps the input scale"),
+    ("output_bias_gradient", "output_scale_gradient", "outputs must not overlap each other"),
+])
+def test_overlapping_buffers(simple, output, other, match):
+    op, bufs = simple()
+    raw = np.full(64, 7.0, np.float32)
+    bufs[output] = raw
+    bufs[other] = raw[2:] if output == "output_gradient" else raw
+    with pytest.raises(ValueError, match=match or "overlap"):
+        op.execute(**bufs)
+    assert np.all(raw == 7.0)
+    assert_untouched({k: v for k, v in bufs.items() if k in OUTPUT_NAMES and v is not raw})
+
+
+def test_overlap_by_int_address_uses_descriptor_extents(simple):
+    op, bufs = simple()
+    raw = np.full(64, 7.0, np.float32)
+    base = raw.ctypes.data
+    bufs.update(output_scale_gradient=base, output_bias_gradient=base + 8)   # 12-byte extents
+    with pytest.raises(ValueError, match="overlap"):
+        op.execute(**bufs)
+    bufs.update(output_bias_gradient=base + 12)
+    op.execute(**bufs)
+    assert not np.all(raw[:6] == 7.0) and np.all(raw[6:] == 7.0)
+
+
+@pytest.mark.parametrize("formula", sorted(OPERATORS))
+def test_in_place(formula):
+    x, dy, mean, var, scale = make_problem((4, 6, 5), (1, 6, 1))
+    want = run_operator(formula, x, dy, mean, var, scale)
+    dy_buf = dy.copy()
+    got = run_operator(formula, x, dy_buf, mean, var, scale, dx=dy_buf)
+    assert got[0] is dy_buf
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_in_place_needs_identical_descriptors():
+    x, dy, mean, var, scale = make_problem((4, 6), (1, 6))
+    descs = descs_for(x, dy, mean, var, scale)
+    descs["output_gradient"] = dml.TensorDesc("float32", (4, 6), (1, 4))
+    op = dml.BatchNormalizationGrad(**descs, epsilon=EPS)
+    with pytest.raises(ValueError, match="output_gradient overlaps input_gradient.*identical"):
+        op.execute(input=x, input_gradient=dy, mean=mean, variance=var, scale=scale,
+                   output_gradient=dy, output_scale_gradient=np.empty_like(mean),
+                   output_bias_gradient=np.empty_like(mean))
+
+
+@pytest.mark.parametrize("num_threads, error", [(0, ValueError), (-2, ValueError),
+                                                (1.5, TypeError), ("2", TypeError)])
+def test_num_threads_refused(simple, num_threads, error):
+    op, bufs = simple()
+    with pytest.raises(error, match="num_threads"):
+        op.execute(**bufs, num_threads=num_threads)
+    assert_untouched(bufs)
+
+
+def test_missing_member_refused(simple):
+    op, bufs = simple()
+    del bufs["variance"]
+    with pytest.raises(TypeError, match="variance"):
+        op.execute(**bufs)
+
+
+# ---- execute: results ---------------------------------------------------------------------
+
+LAYOUTS = {
+    # name: (logical shape, stats shape, memory order, padding)
+    "nchw-packed": ((3, 4, 5, 6), (1, 4, 1, 1), (0, 1, 2, 3), 0),
+    "nhwc-strided": ((3, 4, 5, 6), (1, 4, 1, 1), (0, 2, 3, 1), 0),
+    "nhwc-padded": ((3, 4, 5, 6), (1, 4, 1, 1), (0, 2, 3, 1), 3),
+    "stats-per-c-w": ((3, 4, 5, 6), (1, 4, 1, 6), (0, 1, 2, 3), 0),
+    "stats-per-c-w-nhwc": ((3, 4, 5, 6), (1, 4, 1, 6), (0, 2, 3, 1), 2),
+    "stats-per-n": ((5, 4, 3, 2), (5, 1, 1, 1), (0, 1, 2, 3), 0),
+    "stats-per-n-transposed": ((5, 4, 3, 2), (5, 1, 1, 1), (3, 2, 1, 0), 0),
+    "no-reduced-dim": ((3, 4, 5), (3, 4, 5), (0, 1, 2), 0),
+    "all-reduced": ((3, 4, 5), (1, 1, 1), (2, 0, 1), 1),
+    "one-dim": ((37,), (1,), (0,), 0),
+    "eight-dims": ((2, 3, 1, 2, 2, 1, 2, 3), (1, 3, 1, 1, 2, 1, 1, 1), tuple(range(8)), 0),
+    "size-one-kept": ((4, 1, 5), (1, 1, 5), (0, 1, 2), 0),
+}
+
+
+@pytest.mark.parametrize("formula", sorted(OPERATORS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_operator_matches_reference(formula, layout):
+    shape, stats, order, pad = LAYOUTS[layout]
+    x, dy, mean, var, scale = make_problem(shape, stats)
+    x, dy = laid_out(x, order, pad), laid_out(dy, order, pad)
+    got = run_operator(formula, x, dy, mean, var, scale, dx=laid_out(np.zeros_like(x), order, pad))
+    for g, w in zip(got, reference(formula, x, dy, mean, var, scale)):
+        check_close(g, w, "float32")
+
+
+@pytest.mark.parametrize("formula", sorted(OPERATORS))
+def test_frozen_is_exactly_the_seed_formula(formula):
+    """OutputGradient = InputGradient * Scale / sqrt(Variance + Epsilon) for the GRAD operator;
+    the parameter gradients are the same sums for both operators."""
+    x, dy, mean, var, scale = make_problem((6, 5, 7), (1, 5, 1))
+    dx, ds, db = run_operator(formula, x, dy, mean, var, scale)
+    x64, dy64, m64, v64, g64 = (a.astype(np.float64) for a in (x, dy, mean, var, scale))
+    r = 1 / np.sqrt(v64 + EPS32)
+    check_close(db, dy64.sum(axis=(0, 2), keepdims=True), "float32")
+    check_close(ds, (dy64 * (x64 - m64) * r).sum(axis=(0, 2), keepdims=True), "float32")
+    if formula == "frozen":
+        check_close(dx, dy64 * (g64 * r), "float32")
+
+
+def test_nhwc_strides_take_the_channel_last_path():
+    n, c, h, w = 2, 8, 3, 5
+    big = dml.TensorDesc("float32", (n, c, h, w), (h * w * c, 1, w * c, c))
+    stats = dml.TensorDesc("float32", (1, c, 1, 1))
+    op = dml.BatchNormalizationTrainingGrad(
+        input=big, input_gradient=big, mean=stats, variance=stats, scale=stats,
+        output_gradient=big, output_scale_gradient=stats, output_bias_gradient=stats,
+        epsilon=EPS)
+    assert op.plan_kind == "channel-last"
+    assert op.count == n * h * w
+    nchw = dml.BatchNormalizationTrainingGrad(**members(big=(n, c, h, w), stats=(1, c, 1, 1)))
+    assert nchw.plan_kind == "channel-major"
+
+
+@pytest.mark.parametrize("formula", sorted(OPERATORS))
+@pytest.mark.parametrize("member", ["input", "input_gradient", "mean", "scale"])
+def test_broadcast_input_strides(formula, member):
+    shape, stats = (4, 3, 5), (1, 3, 1)
+    x, dy, mean, var, scale = make_problem(shape, stats)
+    arrays = dict(input=x, input_gradient=dy, mean=mean, variance=var, scale=scale)
+    full = np.broadcast_to(arrays[member][:1] if member.startswith("input")
+                           else arrays[member][..., :1, :], arrays[member].shape)
+    arrays[member] = full                      # stride 0 on a dim: a broadcast tensor
+    outs = np.empty_like(x), np.empty_like(mean), np.empty_like(mean)
+    descs = descs_for(*arrays.values(), dx=outs[0], ds=outs[1])
+    assert 0 in descs[member].strides
+    op = OPERATORS[formula](**descs, epsilon=EPS)
+    op.execute(**{k: memory_of(v) for k, v in arrays.items()}, output_gradient=outs[0],
+               output_scale_gradient=outs[1], output_bias_gradient=outs[2])
+    for g, w in zip(outs, reference(formula, *[np.ascontiguousarray(a) for a in arrays.values()])):
+        check_close(g, w, "float32")
+
+
+@pytest.mark.parametrize("formula", sorted(OPERATORS))
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("layout", ["nchw-packed", "nhwc-padded", "stats-per-c-w"])
+def test_low_precision(formula, dtype_name, layout):
+    shape, stats, order, pad = LAYOUTS[layout]
+    x, dy, mean, var, scale = make_problem(shape, stats, dtype_name, seed=3)
+    x, dy = laid_out(x, order, pad), laid_out(dy, order, pad)
+    got = run_operator(formula, x, dy, mean, var, scale)
+    assert all(g.dtype == x.dtype for g in got)
+    for g, w in zip(got, reference(formula, x, dy, mean, var, scale)):
+        check_close(g, w, dtype_name)
+
+
+@pytest.mark.parametrize("formula", sorted(OPERATORS))
+def test_bfloat16_as_uint16_bit_patterns(formula):
+    """bf16 through descriptors needs no ml_dtypes: uint16 arrays and bytearrays of bits."""
+    rng = np.random.default_rng(5)
+    shape, stats = (4, 3, 6), (1, 3, 1)
+
+    def bf16_bits(values):      # round to nearest even, as bits
+        b = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+    def bits_to_f64(bits):
+        return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32) \
+            .astype(np.float64)
+
+    x, dy = bf16_bits(rng.standard_normal(shape) + 2), bf16_bits(rng.standard_normal(shape))
+    mean, var = bf16_bits(np.full(stats, 2.0)), bf16_bits(1 + rng.random(stats))
+    scale = bf16_bits(rng.standard_normal(stats))
+    descs = descs_for(x, dy, mean, var, scale, data_type="bfloat16")
+    op = OPERATORS[formula](**descs, epsilon=EPS)
+    dx, ds, db = np.empty_like(x), bytearray(6), bytearray(6)
+    op.execute(input=x, input_gradient=dy.tobytes(), mean=mean, variance=var, scale=scale,
+               output_gradient=dx, output_scale_gradient=ds, output_bias_gradient=db)
+    want = BACKWARD(*(bits_to_f64(a) for a in (x, dy, mean, var, scale)), epsilon=EPS32,
+                    reduce_axes=(0, 2), formula=formula)
+    got = (bits_to_f64(dx), bits_to_f64(np.frombuffer(ds, np.uint16).reshape(stats)),
+           bits_to_f64(np.frombuffer(db, np.uint16).reshape(stats)))
+    for g, w in zip(got, want):
+        check_close(g, w, "bfloat16")
+    if ml_dtypes is not None:       # the same bits as through ml_dtypes arrays
+        as_bf16 = [a.view(ml_dtypes.bfloat16) for a in (x, dy, mean, var, scale)]
+        again = run_operator(formula, *as_bf16)
+        np.testing.assert_array_equal(again[0].view(np.uint16), dx)
+
+
+@pytest.mark.parametrize("formula", sorted(OPERATORS))
+@pytest.mark.parametrize("layout", ["nchw-packed", "nhwc-strided", "stats-per-c-w"])
+def test_bit_identical_across_thread_counts(formula, layout):
+    _, stats, order, pad = LAYOUTS[layout]
+    shape = (8, 16, 24, 20)
+    stats = tuple(1 if s == 1 else shape[d] for d, s in enumerate(stats))
+    x, dy, mean, var, scale = make_problem(shape, stats, seed=7)
+    x, dy = laid_out(x, order, pad), laid_out(dy, order, pad)
+    results = [run_operator(formula, x, dy, mean, var, scale, num_threads=n) for n in (1, 2, 3)]
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+BUFFER_KINDS = {
+    "ndarray": lambda a: a,
+    "uint8-ndarray": lambda a: a.view(np.uint8),
+    "int64-ndarray": lambda a: a.reshape(-1).view(np.int64) if a.nbytes % 8 == 0 else a,
+    "bytearray": lambda a: bytearray(a.tobytes()),
+    "memoryview": lambda a: memoryview(bytearray(a.tobytes())),
+    "ctypes": lambda a: (ctypes.c_float * a.size).from_buffer_copy(a.tobytes()),
+    "int-address": lambda a: a,     # replaced by the address below (kept alive by the test)
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BUFFER_KINDS))
+def test_buffer_kinds(kind):
+    x, dy, mean, var, scale = make_problem((4, 3, 6), (1, 3, 1))
+    want = run_operator("training", x, dy, mean, var, scale)
+    op = dml.BatchNormalizationTrainingGrad(**descs_for(x, dy, mean, var, scale), epsilon=EPS)
+    outs = [np.zeros_like(x), np.zeros_like(mean), np.zeros_like(mean)]
+    objs = [BUFFER_KINDS[kind](a) for a in (x, dy, mean, var, scale, *outs)]
+    if kind == "int-address":
+        objs = [a.ctypes.data for a in objs]
+    op.execute(**dict(zip(MEMBER_NAMES, objs)))
+    for w, out, obj in zip(want, outs, objs[5:]):
+        raw = out if kind == "int-address" else np.frombuffer(bytes(memoryview(obj)), np.float32)
+        np.testing.assert_array_equal(raw.reshape(-1), w.reshape(-1))
+
+
+def test_concurrent_executes_share_one_operator():
+    x, dy, mean, var, scale = make_problem((16, 8, 32, 16), (1, 8, 1, 1), seed=11)
+    op = dml.BatchNormalizationTrainingGrad(**descs_for(x, dy, mean, var, scale), epsilon=EPS)
+    want = run_operator("training", x, dy, mean, var, scale, num_threads=1)
+    results, errors = [None] * 6, []
+
+    def work(i):
+        try:
+            outs = np.empty_like(x), np.empty_like(mean), np.empty_like(mean)
+            for _ in range(3):
+                op.execute(input=x, input_gradient=dy, mean=mean, variance=var, scale=scale,
+                           output_gradient=outs[0], output_scale_gradient=outs[1],
+                           output_bias_gradient=outs[2], num_threads=1 + i % 2)
+            results[i] = outs
+        except Exception as exc:      # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for outs in results:
+        for a, b in zip(outs, want):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_num_threads_default_follows_package_setting():
+    x, dy, mean, var, scale = make_problem((8, 16, 24, 20), (1, 16, 1, 1), seed=2)
+    want = run_operator("training", x, dy, mean, var, scale, num_threads=1)
+    try:
+        bnbw_native.set_num_threads(2)
+        got = run_operator("training", x, dy, mean, var, scale)
+    finally:
+        bnbw_native.set_num_threads(None)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_layouts_match_reference(data):
+    ndim = data.draw(st.integers(1, 5), label="ndim")
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim),
+                            label="shape"))
+    kept = data.draw(st.lists(st.booleans(), min_size=ndim, max_size=ndim), label="kept")
+    stats = tuple(s if k else 1 for s, k in zip(shape, kept))
+    order = tuple(data.draw(st.permutations(range(ndim)), label="order"))
+    pad = data.draw(st.integers(0, 2), label="pad")
+    formula = data.draw(st.sampled_from(sorted(OPERATORS)), label="formula")
+    dtype_name = data.draw(st.sampled_from(DTYPES), label="dtype")
+    in_place = data.draw(st.booleans(), label="in_place")
+    x, dy, mean, var, scale = make_problem(shape, stats, dtype_name, seed=ndim)
+    x, dy = laid_out(x, order, pad), laid_out(dy, order, pad)
+    want = reference(formula, x, dy, mean, var, scale)
+    got = run_operator(formula, x, dy, mean, var, scale, dx=dy if in_place else None)
+    for g, w in zip(got, want):
+        check_close(g, w, dtype_name)
+
+
+# ---- array conveniences -------------------------------------------------------------------
+
+@pytest.mark.parametrize("formula", sorted(CONVENIENCES))
+@pytest.mark.parametrize("view", ["packed", "nhwc-transposed", "negative-strides", "sliced",
+                                  "stats-negative"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_convenience_matches_reference(formula, view, dtype_name):
+    x, dy, mean, var, scale = make_problem((4, 6, 5, 7), (1, 6, 1, 7), dtype_name, seed=4)
+    if view == "nhwc-transposed":
+        x, dy = (np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+                 for a in (x, dy))
+    elif view == "negative-strides":
+        x, dy = x[::-1, :, ::-1], dy[:, ::-1, :, ::-1]
+    elif view == "sliced":
+        x = np.concatenate([x, x], axis=3)[..., ::2]
+    elif view == "stats-negative":
+        mean, scale = mean[..., ::-1], scale[:, ::-1]
+    before = [a.copy() for a in (x, dy, mean, var, scale)]
+    got = CONVENIENCES[formula](x, dy, mean, var, scale, EPS)
+    for a, b in zip(before, (x, dy, mean, var, scale)):
+        np.testing.assert_array_equal(a, b)            # inputs untouched
+    assert got[0].shape == x.shape and got[1].shape == got[2].shape == mean.shape
+    assert all(g.dtype == x.dtype for g in got)
+    for g, w in zip(got, reference(formula, x, dy, mean, var, scale)):
+        check_close(g, w, dtype_name)
+
+
+@pytest.mark.parametrize("formula", sorted(CONVENIENCES))
+def test_convenience_equals_operator_bitwise(formula):
+    x, dy, mean, var, scale = make_problem((4, 6, 5, 7), (1, 6, 1, 1), seed=9)
+    x, dy = laid_out(x, (0, 2, 3, 1)), laid_out(dy, (0, 2, 3, 1))
+    got = CONVENIENCES[formula](x, dy, mean, var, scale, EPS)
+    assert got[0].strides == x.strides                  # laid out like input: channel-last
+    for a, b in zip(got, run_operator(formula, x, dy, mean, var, scale)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_convenience_empty_batch():
+    x = np.zeros((0, 3), np.float32)
+    stats = np.ones((1, 3), np.float32)
+    dx, ds, db = dml.batch_normalization_training_grad(x, x, stats, stats, stats, EPS)
+    assert dx.shape == (0, 3)
+    np.testing.assert_array_equal(ds, 0)
+    np.testing.assert_array_equal(db, 0)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (dict(input=np.zeros((2, 3))), TypeError, "input must be a float32"),
+    (dict(input_gradient=np.zeros((2, 3), np.float16)), TypeError, "input_gradient must have"),
+    (dict(scale=np.zeros((1, 3), np.uint16)), TypeError, "scale"),
+    (dict(mean=[[0.0, 0.0, 0.0]]), TypeError, "mean"),
+    (dict(input_gradient=np.zeros((2, 4), np.float32)), ValueError, "input_gradient"),
+    (dict(mean=np.zeros(3, np.float32)), ValueError, "mean must have input's 2 dimensions"),
+    (dict(mean=np.zeros((2, 2), np.float32)), ValueError, "mean: dim 1"),
+    (dict(variance=np.zeros((2, 3), np.float32)), ValueError, "variance"),
+    (dict(input=np.zeros((), np.float32), input_gradient=np.zeros((), np.float32)),
+     ValueError, "input must have 1 to 8"),
+    (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(epsilon="x"), TypeError, "epsilon"),
+    (dict(num_threads=0), ValueError, "num_threads"),
+])
+def test_convenience_refusals(args, error, match):
+    kwargs = dict(input=np.zeros((2, 3), np.float32), input_gradient=np.zeros((2, 3), np.float32),
+                  mean=np.zeros((1, 3), np.float32), variance=np.ones((1, 3), np.float32),
+                  scale=np.ones((1, 3), np.float32), epsilon=EPS)
+    kwargs.update(args)
+    with pytest.raises(error, match=match):
+        dml.batch_normalization_grad(**kwargs)
