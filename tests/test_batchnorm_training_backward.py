@@ -1,0 +1,850 @@
+"""``bnbw_native.batchnorm_training_backward`` (SPEC §3.1), thread settings (§4), errors (§6).
+
+Every result is compared with the float64 reference computed from the very same (already
+rounded) inputs.  Test data have statistics computed from x and a dy with a component along the
+normalised x and a non-zero mean, so both correction terms of the training dx are as large as dy
+itself: a kernel off by a small formula error (M - 1 for M, a missing term) fails.
+"""
+import concurrent.futures
+import functools
+import importlib.metadata
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bnbw_native
+from bnbw_native import reference
+from conftest import BF16, LAYOUTS, assert_close, make_layout, requires_bf16
+
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+EPSILON = 1e-3
+
+# One shape per rank; NXC reduces all but the last axis, NCX all but axis 1.  Odd sizes and
+# size-1 axes on purpose; at most ~1500 elements so M stays small (see conftest.Tolerance).
+SHAPES = {
+    2: (301, 3),
+    3: (7, 4, 61),
+    4: (3, 5, 6, 7),
+    5: (2, 3, 5, 4, 6),
+    6: (2, 3, 1, 5, 4, 6),
+    7: (2, 3, 2, 1, 5, 3, 4),
+    8: (2, 3, 2, 2, 1, 3, 5, 4),
+}
+
+
+def channel_axis(ndim, data_format):
+    return 1 if data_format == "NCX" else ndim - 1
+
+
+def make_case(rng, shape, data_format="NXC", t1=F32, t2=F32, with_gamma=True):
+    """Keyword arguments for a call: x ~ N(5, 2); mean and biased variance computed from the
+    rounded x in float64, then rounded to `t2`; dy = 1.5 * x_hat + 0.5 + N(0, 1)."""
+    axis = channel_axis(len(shape), data_format)
+    axes = tuple(i for i in range(len(shape)) if i != axis)
+    x = rng.normal(5.0, 2.0, shape).astype(t1)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=axes, keepdims=True)
+    var = x64.var(axis=axes, keepdims=True)
+    x_hat = (x64 - mean) / np.sqrt(var + EPSILON)
+    dy = (1.5 * x_hat + 0.5 + rng.normal(0.0, 1.0, shape)).astype(t1)
+    gamma = rng.normal(1.0, 0.5, shape[axis]).astype(t2) if with_gamma else None
+    return dict(src=x, diff_dst=dy, mean=mean.reshape(-1).astype(t2),
+                variance=var.reshape(-1).astype(t2), gamma=gamma)
+
+
+def expected(case, **options):
+    """The float64 reference for `case` (options: epsilon, data_format, num_outputs)."""
+    options.setdefault("epsilon", EPSILON)
+    return reference.batchnorm_training_backward(**case, **options)
+
+
+def check_result(result, ref, t1, t2, num_outputs=3):
+    assert_close(result.diff_src, ref[0], t1)
+    if num_outputs == 3:
+        assert_close(result.diff_gamma, ref[1], t2)
+        assert_close(result.diff_beta, ref[2], t2)
+    else:
+        assert result.diff_gamma is None and result.diff_beta is None
+
+
+def snapshot(arrays):
+    return [a.tobytes() for a in arrays]
+
+
+def assert_refused(error, match, call, arrays):
+    """`call` raises `error` with a message matching `match`, and leaves `arrays` unchanged."""
+    before = snapshot(arrays)
+    with pytest.raises(error, match=match):
+        call()
+    assert snapshot(arrays) == before, "a refused call wrote to an array"
+
+
+def named(argument):
+    """A regex for a message that names `argument` as a word ("src" does not match "diff_src")."""
+    return rf"\b{argument}\b"
+
+
+def dtype_id(dtype):
+    return "none" if dtype is None else np.dtype(dtype).name
+
+
+# ---------------------------------------------------------------------------------------------
+# Results against the reference
+
+
+@pytest.mark.parametrize("num_outputs", [3, 1])
+@pytest.mark.parametrize("with_gamma", [True, False], ids=["gamma", "no_gamma"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("data_format", ["NXC", "NCX"])
+@pytest.mark.parametrize("rank", sorted(SHAPES))
+def test_matches_reference(rng, rank, data_format, layout, with_gamma, num_outputs):
+    case = make_case(rng, SHAPES[rank], data_format, with_gamma=with_gamma)
+    strided = {k: None if v is None else make_layout(v, layout) for k, v in case.items()}
+    result = bnbw_native.batchnorm_training_backward(
+        **strided, epsilon=EPSILON, data_format=data_format, num_outputs=num_outputs)
+    check_result(result, expected(case, data_format=data_format, num_outputs=num_outputs),
+                 F32, F32, num_outputs)
+
+
+@pytest.mark.parametrize("dy_layout", LAYOUTS)
+@pytest.mark.parametrize("src_layout", LAYOUTS)
+def test_src_and_diff_dst_may_have_different_layouts(rng, src_layout, dy_layout):
+    case = make_case(rng, (6, 5, 7), "NCX")
+    call = dict(case, src=make_layout(case["src"], src_layout),
+                diff_dst=make_layout(case["diff_dst"], dy_layout))
+    result = bnbw_native.batchnorm_training_backward(**call, epsilon=EPSILON, data_format="NCX")
+    check_result(result, expected(case, data_format="NCX"), F32, F32)
+
+
+def test_default_data_format_is_nxc(rng):
+    case = make_case(rng, (4, 5, 3), "NXC")
+    default = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON)
+    explicit = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, data_format="NXC")
+    assert [a.tobytes() for a in default] == [a.tobytes() for a in explicit]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_shapes_match_reference(data):
+    # Axis 0 is reduced in both formats; at least 8 along it keeps M >= 8, so dx is not mere
+    # cancellation noise (for M = 2 the exact dx is 0 and the norm-wise criterion means nothing).
+    ndim = data.draw(st.integers(2, 8), label="ndim")
+    shape = (data.draw(st.integers(8, 30), label="batch"),) + tuple(
+        data.draw(st.lists(st.integers(1, 5), min_size=ndim - 1, max_size=ndim - 1),
+                  label="shape"))
+    data_format = data.draw(st.sampled_from(["NXC", "NCX"]), label="data_format")
+    layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    case = make_case(np.random.default_rng(seed), shape, data_format)
+    strided = {k: make_layout(v, layout) for k, v in case.items()}
+    result = bnbw_native.batchnorm_training_backward(**strided, epsilon=EPSILON,
+                                                     data_format=data_format)
+    check_result(result, expected(case, data_format=data_format), F32, F32)
+
+
+@pytest.mark.parametrize("epsilon", [1e-3, np.float32(1e-3), np.float64(1e-3), 1],
+                         ids=["float", "np.float32", "np.float64", "int"])
+def test_epsilon_accepts_real_numbers(rng, epsilon):
+    case = make_case(rng, (40, 3))
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=epsilon)
+    check_result(result, expected(case, epsilon=epsilon), F32, F32)
+
+
+def test_epsilon_is_rounded_to_float32(rng):
+    # The op takes epsilon as f32: 0.1 and float32(0.1) are the same attribute.
+    case = make_case(rng, (40, 3))
+    a = bnbw_native.batchnorm_training_backward(**case, epsilon=0.1)
+    b = bnbw_native.batchnorm_training_backward(**case, epsilon=np.float32(0.1))
+    assert [x.tobytes() for x in a] == [x.tobytes() for x in b]
+
+
+def test_num_outputs_1_ignores_gamma(rng):
+    case = make_case(rng, (30, 4))
+    with_gamma = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, num_outputs=1)
+    without = bnbw_native.batchnorm_training_backward(**dict(case, gamma=None), epsilon=EPSILON,
+                                                      num_outputs=1)
+    assert with_gamma.diff_src.tobytes() == without.diff_src.tobytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage types (SPEC §2, §3.1)
+
+ACCEPTED_DTYPES = [
+    (F32, F32),
+    (F16, F32),
+    pytest.param(BF16, F32, marks=requires_bf16),
+    pytest.param(BF16, BF16, marks=requires_bf16),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("data_format", ["NXC", "NCX"])
+@pytest.mark.parametrize("t1, t2", ACCEPTED_DTYPES, ids=dtype_id)
+def test_dtype_combinations(rng, t1, t2, data_format, layout):
+    case = make_case(rng, (9, 4, 35), data_format, t1, t2)
+    strided = {k: make_layout(v, layout) for k, v in case.items()}
+    result = bnbw_native.batchnorm_training_backward(**strided, epsilon=EPSILON,
+                                                     data_format=data_format)
+    check_result(result, expected(case, data_format=data_format), t1, t2)
+
+
+@pytest.mark.parametrize("t1, t2", ACCEPTED_DTYPES, ids=dtype_id)
+def test_dtype_combinations_num_outputs_1(rng, t1, t2):
+    case = make_case(rng, (40, 5), "NXC", t1, t2)
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, num_outputs=1)
+    check_result(result, expected(case, num_outputs=1), t1, t2, num_outputs=1)
+
+
+@pytest.mark.parametrize("t1, t2", [
+    (F32, F16),
+    (F16, F16),
+    pytest.param(F32, BF16, marks=requires_bf16),
+    pytest.param(F16, BF16, marks=requires_bf16),
+    pytest.param(BF16, F16, marks=requires_bf16),
+], ids=dtype_id)
+def test_refused_dtype_combinations(rng, t1, t2):
+    # The statistics' type is the one refused (T2 = bf16 only with T1 = bf16; never f16); a
+    # message that names src instead is accepted too.
+    case = make_case(rng, (20, 3), "NXC", t1, t2)
+    with pytest.raises(TypeError, match=rf"{named('mean')}|{named('src')}"):
+        bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON)
+
+
+@pytest.mark.parametrize("bad_dtype", [np.float64, np.int32, np.uint16], ids=dtype_id)
+@pytest.mark.parametrize("argument", ["src", "diff_dst", "mean", "variance", "gamma"])
+def test_unsupported_dtype_is_refused(rng, argument, bad_dtype):
+    case = make_case(rng, (20, 3))
+    case[argument] = (case[argument] * 4).astype(bad_dtype)
+    with pytest.raises(TypeError, match=named(argument)):
+        bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON)
+
+
+@pytest.mark.parametrize("argument, t", [
+    ("diff_dst", F16),
+    ("variance", BF16),
+    ("gamma", BF16),
+], ids=["diff_dst", "variance", "gamma"])
+@requires_bf16
+def test_mixed_dtypes_within_a_group_are_refused(rng, argument, t):
+    # src and diff_dst share T1; mean, variance and gamma share T2.
+    case = make_case(rng, (20, 3), "NXC", BF16, F32)
+    case[argument] = case[argument].astype(t)
+    with pytest.raises(TypeError, match=named(argument)):
+        bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON)
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads (SPEC §1 bit-identical results, §4)
+
+# Big enough to be split into several reduction blocks.
+THREAD_CASES = [
+    pytest.param((3, 5, 70000), "NCX", F32, "contiguous", id="ncx-3x5x70000"),
+    pytest.param((70000, 7), "NXC", F32, "contiguous", id="nxc-70000x7"),
+    pytest.param((1 << 18, 1), "NXC", F32, "contiguous", id="nxc-one-channel"),
+    pytest.param((70000, 7), "NXC", F32, "transposed", id="nxc-70000x7-transposed"),
+    pytest.param((3, 5, 70000), "NCX", F32, "negative", id="ncx-3x5x70000-negative"),
+    pytest.param((70000, 7), "NXC", F16, "contiguous", id="nxc-70000x7-f16"),
+    pytest.param((3, 5, 70000), "NCX", BF16, "contiguous", id="ncx-3x5x70000-bf16",
+                 marks=requires_bf16),
+]
+
+
+@functools.cache
+def big_case(shape, data_format, t1, layout="contiguous"):
+    case = make_case(np.random.default_rng(sum(shape)), shape, data_format, t1,
+                     BF16 if t1 == BF16 else F32)
+    return {k: make_layout(v, layout) for k, v in case.items()}
+
+
+@functools.cache
+def one_thread_bytes(shape, data_format, t1, layout="contiguous"):
+    result = bnbw_native.batchnorm_training_backward(
+        **big_case(shape, data_format, t1, layout), epsilon=EPSILON, data_format=data_format,
+        num_threads=1)
+    return [a.tobytes() for a in result]
+
+
+@pytest.fixture
+def default_threads():
+    """Start and end with the initial setting: follow OpenMP."""
+    bnbw_native.set_num_threads(None)
+    yield
+    bnbw_native.set_num_threads(None)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3, 4, None])
+@pytest.mark.parametrize("shape, data_format, t1, layout", THREAD_CASES)
+def test_bit_identical_for_every_thread_count(default_threads, shape, data_format, t1, layout,
+                                              num_threads):
+    result = bnbw_native.batchnorm_training_backward(
+        **big_case(shape, data_format, t1, layout), epsilon=EPSILON, data_format=data_format,
+        num_threads=num_threads)
+    assert [a.tobytes() for a in result] == one_thread_bytes(shape, data_format, t1, layout)
+
+
+@pytest.mark.parametrize("package_default", [1, 3])
+def test_set_num_threads_result_is_bit_identical(default_threads, package_default):
+    shape, data_format = (70000, 7), "NXC"
+    bnbw_native.set_num_threads(package_default)
+    result = bnbw_native.batchnorm_training_backward(
+        **big_case(shape, data_format, F32), epsilon=EPSILON, data_format=data_format)
+    assert [a.tobytes() for a in result] == one_thread_bytes(shape, data_format, F32)
+
+
+@pytest.mark.parametrize("shape, data_format, t1, layout", THREAD_CASES)
+def test_large_shapes_match_reference(shape, data_format, t1, layout):
+    case = big_case(shape, data_format, t1, layout)
+    t2 = BF16 if t1 == BF16 else F32
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                     data_format=data_format)
+    check_result(result, expected(case, data_format=data_format), t1, t2)
+
+
+def test_set_num_threads_sets_the_default(default_threads):
+    bnbw_native.set_num_threads(2)
+    assert bnbw_native.get_num_threads() == 2
+
+
+def test_set_num_threads_none_restores_following_openmp(default_threads):
+    following = bnbw_native.get_num_threads()
+    bnbw_native.set_num_threads(following + 1)
+    bnbw_native.set_num_threads(None)
+    assert bnbw_native.get_num_threads() == following
+
+
+def test_get_num_threads_follows_threadpool_limits(default_threads):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(1):
+        assert bnbw_native.get_num_threads() == 1
+
+
+def test_set_num_threads_wins_over_openmp(default_threads):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    bnbw_native.set_num_threads(2)
+    with threadpoolctl.threadpool_limits(1):
+        assert bnbw_native.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_set_num_threads_refuses_non_positive(default_threads, n):
+    # SPEC §4 calls the parameter of set_num_threads `n`, so the message is not checked.
+    bnbw_native.set_num_threads(2)
+    with pytest.raises(ValueError):
+        bnbw_native.set_num_threads(n)
+    assert bnbw_native.get_num_threads() == 2  # a refused call changes nothing
+
+
+@pytest.mark.parametrize("n", [2.0, "2"], ids=["float", "str"])
+def test_set_num_threads_refuses_non_int(default_threads, n):
+    bnbw_native.set_num_threads(3)
+    with pytest.raises(TypeError):
+        bnbw_native.set_num_threads(n)
+    assert bnbw_native.get_num_threads() == 3
+
+
+@pytest.mark.parametrize("num_threads", [0, -1])
+def test_num_threads_non_positive_is_refused(rng, num_threads):
+    with pytest.raises(ValueError, match=named("num_threads")):
+        bnbw_native.batchnorm_training_backward(**make_case(rng, (10, 3)), epsilon=EPSILON,
+                                                num_threads=num_threads)
+
+
+@pytest.mark.parametrize("num_threads", [1.5, 2.0, "2"], ids=["1.5", "2.0", "str"])
+def test_num_threads_non_int_is_refused(rng, num_threads):
+    with pytest.raises(TypeError, match=named("num_threads")):
+        bnbw_native.batchnorm_training_backward(**make_case(rng, (10, 3)), epsilon=EPSILON,
+                                                num_threads=num_threads)
+
+
+def test_concurrent_calls_agree_with_serial():
+    cases = [make_case(np.random.default_rng(seed), (20000, 5)) for seed in range(8)]
+
+    def run(case):
+        result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, num_threads=2)
+        return [a.tobytes() for a in result]
+
+    serial = [run(case) for case in cases]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        assert list(pool.map(run, cases)) == serial
+
+
+def test_show_config_prints_version_and_openmp(capsys):
+    version = getattr(bnbw_native, "__version__", None) or importlib.metadata.version(
+        "bnbw_native")
+    bnbw_native.show_config()
+    printed = capsys.readouterr().out
+    assert version in printed
+    assert "OpenMP" in printed
+
+
+# ---------------------------------------------------------------------------------------------
+# Accuracy of the sums at M = 2^24 with |mean| >> std (SPEC §1)
+
+M_BIG = 1 << 24
+
+
+@functools.cache
+def accuracy_case(dy_kind):
+    rng = np.random.default_rng(24)
+    x = (1000.0 + rng.standard_normal(M_BIG, dtype=np.float32)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mean, var = x64.mean(), x64.var()
+    noise = rng.standard_normal(M_BIG, dtype=np.float32)
+    if dy_kind == "random":
+        dy = noise
+    else:  # correlated with x, non-zero mean: both sums are large, no cancellation in the refs
+        dy = ((x64 - mean) + 0.1 + 0.5 * noise).astype(np.float32)
+    return x, dy, np.float32([mean]), np.float32([var])
+
+
+@pytest.mark.parametrize("dy_kind", ["random", "correlated"])
+@pytest.mark.parametrize("data_format, shape", [("NXC", (M_BIG, 1)), ("NCX", (1, 1, M_BIG))])
+def test_parameter_gradients_accurate_for_2_24_elements(data_format, shape, dy_kind):
+    x, dy, mean, var = accuracy_case(dy_kind)
+    case = dict(src=x.reshape(shape), diff_dst=dy.reshape(shape), mean=mean, variance=var)
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                     data_format=data_format)
+    _, ref_dgamma, ref_dbeta = expected(case, data_format=data_format)
+
+    # Denominator: max(|ref|, 2-norm of the summands).  The 2-norm (sqrt(M) * rms) is the size a
+    # sum of M random-signed terms typically has; when the drawn |sum| is much smaller, that is
+    # luck of the draw, and any accumulation error scales with the terms, not with the result.
+    # Rounding the exact sum to f32 alone costs <= 6e-8 * |ref|; 1e-6 leaves room for careful
+    # accumulation but not for a plain f32 running sum or for sum(g*x) - mean*sum(g).
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    r = 1.0 / np.sqrt(float(var[0]) + float(np.float32(EPSILON)))
+    gamma_terms_norm = r * np.sqrt(np.sum(((x64 - float(mean[0])) * dy64) ** 2))
+    beta_terms_norm = np.sqrt(np.sum(dy64**2))
+    for got, ref, norm in ((result.diff_gamma, ref_dgamma, gamma_terms_norm),
+                           (result.diff_beta, ref_dbeta, beta_terms_norm)):
+        assert got.dtype == F32 and got.shape == (1,)
+        error = abs(float(got[0]) - ref[0]) / max(abs(ref[0]), norm)
+        assert error <= 1e-6, f"relative error {error:.3g} (got {got[0]!r}, ref {ref[0]!r})"
+
+
+# ---------------------------------------------------------------------------------------------
+# out= (SPEC §3.1)
+
+
+def make_out(case, num_outputs=3, layout="contiguous", fill=7.0):
+    """Preallocated outputs filled with a sentinel, in memory layout `layout`."""
+    t2 = case["mean"].dtype
+    arrays = [np.full(case["src"].shape, fill, case["src"].dtype),
+              np.full(case["mean"].shape, fill, t2), np.full(case["mean"].shape, fill, t2)]
+    return tuple(make_layout(a, layout) for a in arrays[:num_outputs])
+
+
+def inputs_of(case):
+    return [a for a in case.values() if a is not None]
+
+
+@pytest.mark.parametrize("num_outputs", [3, 1])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_out_is_written_and_returned(rng, layout, num_outputs):
+    case = make_case(rng, (7, 4, 9), "NCX")
+    fresh = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, data_format="NCX",
+                                                    num_outputs=num_outputs)
+    out = make_out(case, num_outputs, layout)
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, data_format="NCX",
+                                                     num_outputs=num_outputs, out=out)
+    for got, given_out, want in zip(result, out, fresh):
+        assert got is given_out and np.shares_memory(got, given_out)
+        assert got.tobytes() == want.tobytes()
+
+
+def test_out_may_be_a_list(rng):
+    case = make_case(rng, (30, 4))
+    out = list(make_out(case))
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, out=out)
+    assert all(got is given_out for got, given_out in zip(result, out))
+    check_result(result, expected(case), F32, F32)
+
+
+@pytest.mark.parametrize("num_outputs", [3, 1])
+@pytest.mark.parametrize("alias", ["same_object", "identical_view"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "negative"])
+def test_in_place_diff_src_over_diff_dst(rng, layout, alias, num_outputs):
+    # In place: the same address, dtype, shape and strides, whether or not the same object.
+    case = make_case(rng, (5, 6, 11), "NCX")
+    case["diff_dst"] = make_layout(case["diff_dst"], layout)
+    fresh = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, data_format="NCX",
+                                                    num_outputs=num_outputs)
+    diff_src = case["diff_dst"] if alias == "same_object" else case["diff_dst"].view()
+    out = (diff_src,) + make_out(case, num_outputs)[1:]
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, data_format="NCX",
+                                                     num_outputs=num_outputs, out=out)
+    assert result.diff_src is diff_src
+    assert [a.tobytes() for a in result if a is not None] == [
+        a.tobytes() for a in fresh if a is not None]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "sliced"])
+def test_disjoint_interleaved_outputs_are_accepted(rng, layout):
+    # "Must not overlap" is about memory actually shared: diff_gamma and diff_beta interleaved
+    # in one buffer (even and odd elements) share none.
+    case = make_case(rng, (40, 5))
+    buffer = make_layout(np.full(10, 7.0, np.float32), layout)
+    out = (make_out(case)[0], buffer[0::2], buffer[1::2])
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, out=out)
+    check_result(result, expected(case), F32, F32)
+
+
+def test_diff_src_interleaved_with_diff_dst_is_accepted(rng):
+    case = make_case(rng, (40, 5))
+    buffer = np.empty((40, 10), np.float32)
+    buffer[:, 0::2] = case["diff_dst"]
+    buffer[:, 1::2] = 7.0
+    case["diff_dst"] = buffer[:, 0::2]
+    out = (buffer[:, 1::2],) + make_out(case)[1:]
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, out=out)
+    check_result(result, expected(case), F32, F32)
+
+
+def _overlapping_out(case, how):
+    """Outputs that overlap an input or each other in the way `how` names."""
+    out = list(make_out(case))
+    if how == "diff_src_is_src":
+        out[0] = case["src"]
+    elif how == "diff_src_is_diff_dst_reversed":
+        out[0] = case["diff_dst"][::-1]
+    elif how == "diff_src_shifted_over_diff_dst":
+        n, c = case["diff_dst"].shape
+        buffer = np.empty((n + 1, c), np.float32)
+        buffer[:-1] = case["diff_dst"]
+        case["diff_dst"], out[0] = buffer[:-1], buffer[1:]
+    elif how == "diff_gamma_is_mean":
+        out[1] = case["mean"]
+    elif how == "diff_beta_is_variance":
+        out[2] = case["variance"]
+    elif how == "diff_beta_is_gamma":
+        out[2] = case["gamma"]
+    elif how == "diff_beta_is_diff_gamma":
+        out[2] = out[1]
+    elif how == "diff_beta_shifted_over_diff_gamma":
+        buffer = np.full(len(case["mean"]) + 1, 7.0, np.float32)
+        out[1], out[2] = buffer[:-1], buffer[1:]
+    elif how == "diff_gamma_inside_diff_src":
+        out[1] = out[0][0]
+    return tuple(out)
+
+
+@pytest.mark.parametrize("how", [
+    "diff_src_is_src", "diff_src_is_diff_dst_reversed", "diff_src_shifted_over_diff_dst",
+    "diff_gamma_is_mean", "diff_beta_is_variance", "diff_beta_is_gamma",
+    "diff_beta_is_diff_gamma", "diff_beta_shifted_over_diff_gamma", "diff_gamma_inside_diff_src",
+])
+def test_overlapping_out_is_refused(rng, how):
+    case = make_case(rng, (12, 5))
+    out = _overlapping_out(case, how)
+    assert_refused(ValueError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                                   out=out),
+                   [*out, *inputs_of(case)])
+
+
+def test_in_place_with_num_outputs_1_over_src_is_refused(rng):
+    case = make_case(rng, (12, 5))
+    out = (case["src"],)
+    assert_refused(ValueError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(
+                       **case, epsilon=EPSILON, num_outputs=1, out=out),
+                   inputs_of(case))
+
+
+@pytest.mark.parametrize("index, shape", [(0, (5, 12)), (0, (12, 5, 1)), (1, (6,)), (2, (1, 5))])
+def test_out_of_wrong_shape_is_refused(rng, index, shape):
+    case = make_case(rng, (12, 5))
+    out = list(make_out(case))
+    out[index] = np.full(shape, 7.0, np.float32)
+    assert_refused(ValueError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                                   out=tuple(out)),
+                   out)
+
+
+@pytest.mark.parametrize("index, dtype", [
+    (0, np.float64), (0, np.float16), (1, np.float64), (2, np.float16),
+    pytest.param(1, BF16, marks=requires_bf16),
+], ids=["0-float64", "0-float16", "1-float64", "2-float16", "1-bfloat16"])
+def test_out_of_wrong_dtype_is_refused(rng, index, dtype):
+    case = make_case(rng, (12, 5))
+    out = list(make_out(case))
+    out[index] = out[index].astype(dtype)
+    assert_refused(TypeError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                                   out=tuple(out)),
+                   out)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_read_only_out_is_refused(rng, index):
+    case = make_case(rng, (12, 5))
+    out = make_out(case)
+    out[index].flags.writeable = False
+    assert_refused(ValueError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                                   out=out),
+                   out)
+
+
+@pytest.mark.parametrize("num_outputs, length", [(3, 2), (3, 4), (3, 1), (1, 3), (1, 0)])
+def test_out_of_wrong_length_is_refused(rng, num_outputs, length):
+    case = make_case(rng, (12, 5))
+    full = make_out(case)
+    out = (full * 2)[:length]
+    assert_refused(ValueError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(
+                       **case, epsilon=EPSILON, num_outputs=num_outputs, out=out),
+                   full)
+
+
+@pytest.mark.parametrize("num_outputs", [3, 1])
+@pytest.mark.parametrize("out_kind", ["array", "str", "int", "dict"])
+def test_out_not_a_sequence_is_refused(rng, out_kind, num_outputs):
+    case = make_case(rng, (12, 5))
+    array = make_out(case)[0]
+    out = {"array": array, "str": "out", "int": 3, "dict": {0: array}}[out_kind]
+    assert_refused(TypeError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(
+                       **case, epsilon=EPSILON, num_outputs=num_outputs, out=out),
+                   [array])
+
+
+@pytest.mark.parametrize("entry", ["object", "list"])
+def test_out_entry_not_an_array_is_refused(rng, entry):
+    case = make_case(rng, (12, 5))
+    out = list(make_out(case))
+    out[2] = object() if entry == "object" else [7.0] * 5
+    assert_refused(TypeError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                                   out=tuple(out)),
+                   out[:2])
+
+
+def test_refused_call_writes_no_out(rng):
+    # The last entry is wrong; the first two must not have been written before it was checked.
+    case = make_case(rng, (12, 5))
+    out = list(make_out(case))
+    out[2] = np.full(6, 7.0, np.float32)
+    assert_refused(ValueError, named("out"),
+                   lambda: bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                                   out=tuple(out)),
+                   out)
+
+
+def test_refused_input_writes_no_out(rng):
+    case = make_case(rng, (12, 5))
+    out = make_out(case)
+    assert_refused(ValueError, named("epsilon"),
+                   lambda: bnbw_native.batchnorm_training_backward(**case, epsilon=0.0,
+                                                                   out=out),
+                   out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "negative"])
+@pytest.mark.parametrize("writeable", [False, True], ids=["read_only", "writeable"])
+def test_inputs_are_never_modified(rng, writeable, layout):
+    case = make_case(rng, (6, 4, 9), "NCX")
+    case = {k: make_layout(v, layout) for k, v in case.items()}
+    for a in case.values():
+        a.flags.writeable = writeable
+    before = snapshot(case.values())
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, data_format="NCX")
+    assert snapshot(case.values()) == before
+    check_result(result, expected(case, data_format="NCX"), F32, F32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Empty tensors (SPEC §1: M = 0 gives an empty dx and zero parameter gradients)
+
+EMPTY_CASES = [
+    pytest.param((0, 4), "NXC", id="M0-nxc"),
+    pytest.param((2, 0, 4), "NXC", id="M0-nxc-rank3"),
+    pytest.param((0, 4, 5), "NCX", id="M0-ncx"),
+    pytest.param((3, 4, 0), "NCX", id="M0-ncx-spatial"),
+    pytest.param((5, 0), "NXC", id="C0-nxc"),
+    pytest.param((5, 0, 3), "NCX", id="C0-ncx"),
+]
+
+
+def empty_case(shape, data_format):
+    c = shape[channel_axis(len(shape), data_format)]
+    return dict(src=np.zeros(shape, np.float32), diff_dst=np.zeros(shape, np.float32),
+                mean=np.zeros(c, np.float32), variance=np.ones(c, np.float32),
+                gamma=np.ones(c, np.float32))
+
+
+@pytest.mark.parametrize("num_outputs", [3, 1])
+@pytest.mark.parametrize("shape, data_format", EMPTY_CASES)
+def test_empty_tensors(shape, data_format, num_outputs):
+    case = empty_case(shape, data_format)
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                     data_format=data_format,
+                                                     num_outputs=num_outputs)
+    assert result.diff_src.shape == shape and result.diff_src.dtype == F32
+    if num_outputs == 3:
+        c = len(case["mean"])
+        for grad in (result.diff_gamma, result.diff_beta):
+            assert grad.dtype == F32
+            np.testing.assert_array_equal(grad, np.zeros(c, np.float32))
+
+
+@pytest.mark.parametrize("shape, data_format", EMPTY_CASES)
+def test_empty_batch_writes_zero_gradients_into_out(shape, data_format):
+    case = empty_case(shape, data_format)
+    out = make_out(case)
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                     data_format=data_format, out=out)
+    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(out[2], 0.0)
+    assert result.diff_gamma is out[1] and result.diff_beta is out[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN and inf stay in their channel (SPEC §1)
+
+
+@pytest.mark.parametrize("num_outputs", [3, 1])
+@pytest.mark.parametrize("argument, value", [
+    ("src", np.nan), ("src", np.inf), ("diff_dst", np.nan), ("diff_dst", -np.inf),
+    ("mean", np.nan), ("variance", np.nan), ("variance", np.inf), ("gamma", np.nan),
+], ids=lambda v: str(v))
+@pytest.mark.parametrize("shape, data_format", [((64, 4), "NXC"), ((8, 4, 8), "NCX")])
+def test_non_finite_values_stay_in_their_channel(rng, shape, data_format, argument, value,
+                                                 num_outputs):
+    bad = 2
+    case = make_case(rng, shape, data_format)
+    if case[argument].ndim == 1:
+        case[argument][bad] = value
+    else:
+        index = [3] * len(shape)
+        index[channel_axis(len(shape), data_format)] = bad
+        case[argument][tuple(index)] = value
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
+                                                     data_format=data_format,
+                                                     num_outputs=num_outputs)
+    ref = expected(case, data_format=data_format, num_outputs=num_outputs)
+    # assert_close requires non-finite results exactly where the reference has them.
+    check_result(result, ref, F32, F32, num_outputs)
+    good = np.delete(result.diff_src, bad, axis=channel_axis(len(shape), data_format))
+    assert np.isfinite(good).all()
+    if num_outputs == 3:
+        assert np.isfinite(np.delete(result.diff_gamma, bad)).all()
+        assert np.isfinite(np.delete(result.diff_beta, bad)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Result type
+
+
+def test_result_is_a_named_tuple(rng):
+    result = bnbw_native.batchnorm_training_backward(**make_case(rng, (10, 3)), epsilon=EPSILON)
+    assert isinstance(result, bnbw_native.BackwardResult) and isinstance(result, tuple)
+    assert bnbw_native.BackwardResult._fields == ("diff_src", "diff_gamma", "diff_beta")
+    diff_src, diff_gamma, diff_beta = result
+    assert diff_src is result.diff_src and diff_gamma is result.diff_gamma
+    assert diff_beta is result.diff_beta
+
+
+def test_num_outputs_1_result_has_none_gradients(rng):
+    result = bnbw_native.batchnorm_training_backward(**make_case(rng, (10, 3)), epsilon=EPSILON,
+                                                     num_outputs=1)
+    assert isinstance(result, bnbw_native.BackwardResult) and len(result) == 3
+    assert result.diff_gamma is None and result.diff_beta is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors (SPEC §6): type and message naming the argument
+
+
+def call_with(rng, **changes):
+    """Call with a valid (20, 3) NXC case modified by `changes`."""
+    case = make_case(rng, (20, 3))
+    options = dict(epsilon=EPSILON)
+    for key, value in changes.items():
+        (case if key in case else options)[key] = value
+    return bnbw_native.batchnorm_training_backward(**case, **options)
+
+
+@pytest.mark.parametrize("src", [None, "abc", object()], ids=["None", "str", "object"])
+def test_src_not_array_like_is_refused(rng, src):
+    with pytest.raises(TypeError, match=named("src")):
+        call_with(rng, src=src)
+
+
+@pytest.mark.parametrize("shape", [(3,), (1,) * 8 + (3,)], ids=["rank1", "rank9"])
+def test_src_rank_out_of_range_is_refused(shape):
+    c = shape[-1]
+    with pytest.raises(ValueError, match=named("src")):
+        bnbw_native.batchnorm_training_backward(
+            np.ones(shape, np.float32), np.ones(shape, np.float32), np.zeros(c, np.float32),
+            np.ones(c, np.float32), epsilon=EPSILON)
+
+
+@pytest.mark.parametrize("shape", [(20, 4), (3, 20), (20, 3, 1), (20,)])
+def test_diff_dst_shape_mismatch_is_refused(rng, shape):
+    with pytest.raises(ValueError, match=named("diff_dst")):
+        call_with(rng, diff_dst=np.ones(shape, np.float32))
+
+
+@pytest.mark.parametrize("shape", [(2,), (4,), (1, 3), (3, 1), ()],
+                         ids=["short", "long", "2d-row", "2d-column", "0d"])
+@pytest.mark.parametrize("argument", ["mean", "variance", "gamma"])
+def test_statistics_of_wrong_shape_are_refused(rng, argument, shape):
+    with pytest.raises(ValueError, match=named(argument)):
+        call_with(rng, **{argument: np.ones(shape, np.float32)})
+
+
+@pytest.mark.parametrize("gamma, error", [
+    (np.ones(4, np.float32), ValueError),
+    (np.ones((1, 3), np.float32), ValueError),
+    (np.ones(3, np.float64), TypeError),
+], ids=["length", "2d", "float64"])
+def test_num_outputs_1_still_validates_gamma(rng, gamma, error):
+    with pytest.raises(error, match=named("gamma")):
+        call_with(rng, gamma=gamma, num_outputs=1)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, -1e-3, np.nan, np.inf, -np.inf, 1e-50, 1e300],
+                         ids=["zero", "negative", "nan", "inf", "-inf", "underflow", "overflow"])
+def test_epsilon_bad_value_is_refused(rng, epsilon):
+    # 1e-50 is 0 as f32 and 1e300 is inf as f32 (SPEC §1: finite and > 0 after conversion).
+    with pytest.raises(ValueError, match=named("epsilon")):
+        call_with(rng, epsilon=epsilon)
+
+
+@pytest.mark.parametrize("epsilon", ["x", None, [1e-3], 1e-3j],
+                         ids=["str", "None", "list", "complex"])
+def test_epsilon_wrong_type_is_refused(rng, epsilon):
+    with pytest.raises(TypeError, match=named("epsilon")):
+        call_with(rng, epsilon=epsilon)
+
+
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC", ""])
+def test_data_format_bad_value_is_refused(rng, data_format):
+    with pytest.raises(ValueError, match=named("data_format")):
+        call_with(rng, data_format=data_format)
+
+
+@pytest.mark.parametrize("data_format", [None, 1], ids=["None", "int"])
+def test_data_format_wrong_type_is_refused(rng, data_format):
+    with pytest.raises(TypeError, match=named("data_format")):
+        call_with(rng, data_format=data_format)
+
+
+@pytest.mark.parametrize("num_outputs", [2, 0, 4, -1])
+def test_num_outputs_bad_value_is_refused(rng, num_outputs):
+    with pytest.raises(ValueError, match=named("num_outputs")):
+        call_with(rng, num_outputs=num_outputs)
+
+
+@pytest.mark.parametrize("num_outputs", ["3", None, 3.0], ids=["str", "None", "float"])
+def test_num_outputs_wrong_type_is_refused(rng, num_outputs):
+    with pytest.raises(TypeError, match=named("num_outputs")):
+        call_with(rng, num_outputs=num_outputs)
