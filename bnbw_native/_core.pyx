@@ -753,3 +753,21 @@ def build_info():
 
 cdef int omp_max_threads_nogil() noexcept nogil:
     return bnbw_omp_max_threads()
+
+
+def memory_bounds(cnp.ndarray a):
+    """(low, high): the byte range [low, high) an array's elements occupy; low == high when
+    the array is empty.  The fast twin of numpy's byte_bounds, for the overlap checks."""
+    cdef Py_ssize_t lo = <Py_ssize_t> cnp.PyArray_DATA(a), hi = lo, extent
+    cdef int d
+    cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
+    for d in range(cnp.PyArray_NDIM(a)):
+        if shape[d] == 0:
+            return lo, lo
+        extent = (shape[d] - 1) * strides[d]
+        if extent < 0:
+            lo += extent
+        else:
+            hi += extent
+    return lo, hi + cnp.PyArray_ITEMSIZE(a)

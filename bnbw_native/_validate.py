@@ -7,6 +7,8 @@ import numbers
 
 import numpy as np
 
+from ._core import memory_bounds
+
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 _TYPE_LIST = "float32, float16 or bfloat16 (ml_dtypes)"
 
@@ -119,22 +121,15 @@ def check_int_choice(value, name, choices):
 
 def same_view(a, b):
     """The very same memory, dtype, shape and strides (the one overlap SPEC 3.1 allows)."""
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides)
-
-
-try:
-    from numpy.lib.array_utils import byte_bounds
-except ImportError:                # NumPy < 2
-    byte_bounds = np.byte_bounds
+    return (memory_bounds(a) == memory_bounds(b) and a.dtype == b.dtype
+            and a.shape == b.shape and a.strides == b.strides)
 
 
 def overlaps(a, b):
-    if a.size == 0 or b.size == 0:
-        return False
-    a_lo, a_hi = byte_bounds(a)
-    b_lo, b_hi = byte_bounds(b)
-    if a_hi <= b_lo or b_hi <= a_lo:
+    """True when a and b share a byte of memory (or it cannot be ruled out cheaply)."""
+    a_lo, a_hi = memory_bounds(a)
+    b_lo, b_hi = memory_bounds(b)
+    if a_lo == a_hi or b_lo == b_hi or a_hi <= b_lo or b_hi <= a_lo:
         return False
     try:
         return bool(np.shares_memory(a, b, max_work=100_000))
