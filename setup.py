@@ -6,7 +6,7 @@ The extension modules are plain Cython + C.  Two build-time probes decide the fl
   ``-fopenmp`` (runtime linked dynamically, so threadpoolctl can see and limit it).  If it does
   not, the build warns and goes on serial, unless ``BNBW_REQUIRE_OPENMP=1`` asks for a hard
   failure instead.
-* Function multiversioning: the hot loops carry ``target_clones("arch=haswell", "default")``
+* Function multiversioning: the hot loops carry ``target_clones("arch=x86-64-v3", "default")``
   so one wheel runs everywhere yet uses AVX2+FMA+F16C where the CPU has them.  No
   ``-march=native`` ever reaches what users install.  ``BNBW_NATIVE_ARCH=1`` adds it for
   local experiments only.
@@ -40,7 +40,7 @@ OPENMP_PROBE = textwrap.dedent(
 
 CLONES_PROBE = textwrap.dedent(
     """
-    __attribute__((target_clones("arch=haswell", "default")))
+    __attribute__((target_clones("arch=x86-64-v3", "default")))
     int twice(int x) { return 2 * x; }
     int main(void) { return twice(0); }
     """

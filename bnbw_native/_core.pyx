@@ -91,7 +91,7 @@ cdef extern from *:
     static int bnbw_openmp_version(void) { return 0; }
     #endif
     #if defined(BNBW_HAVE_TARGET_CLONES)
-    static const char *bnbw_clones(void) { return "target_clones(haswell, default)"; }
+    static const char *bnbw_clones(void) { return "target_clones(x86-64-v3, default)"; }
     #else
     static const char *bnbw_clones(void) { return "baseline only"; }
     #endif

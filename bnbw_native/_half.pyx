@@ -1,2 +1,190 @@
-def _placeholder():
-    pass
+# cython: language_level=3
+"""Native half-precision row conversion for bnbw_native.half.
+
+Why it is shaped this way: half.py does all argument checking and layout decisions in Python,
+where good error messages are cheap; this module re-checks only what memory safety needs (rank,
+lengths, element sizes, a contiguous aligned writable float side) so that a bad call from
+Python can raise but never crash.  Work is split into fixed chunks handed out dynamically, not
+per-thread slices: a thread that the OS delays (2 cores, often shared) holds back one chunk, not
+half the array, and results never depend on the thread count.
+"""
+import operator
+
+import numpy as np
+
+cimport numpy as cnp
+from cython.parallel cimport prange
+from libc.stdint cimport int64_t, uint16_t
+
+cnp.import_array()
+
+cdef extern from "bnbw_half.h" nogil:
+    void bnbw_load_f16(const char *src, int64_t src_stride, int64_t n, float *dst)
+    void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t dst_stride)
+    void bnbw_load_bf16(const char *src, int64_t src_stride, int64_t n, float *dst)
+    void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t dst_stride)
+    void bnbw_load_f32(const char *src, int64_t src_stride, int64_t n, float *dst)
+    void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t dst_stride)
+    const char *bnbw_half_simd_path()
+    void bnbw_half_force_portable(int on)
+    ctypedef struct bnbw_f16:
+        uint16_t bits
+    ctypedef struct bnbw_bf16:
+        uint16_t bits
+    bnbw_f16 bnbw_f64_to_f16(double d)
+    bnbw_bf16 bnbw_f64_to_bf16(double d)
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #include <omp.h>
+    static int bnbw__max_threads(void) { return omp_get_max_threads(); }
+    #else
+    static int bnbw__max_threads(void) { return 1; }
+    #endif
+    """
+    int bnbw__max_threads() nogil
+
+ctypedef void (*load_fn)(const char *, int64_t, int64_t, float *) noexcept nogil
+ctypedef void (*store_fn)(const float *, int64_t, char *, int64_t) noexcept nogil
+
+# Arrays shorter than PARALLEL_MIN run on the calling thread; longer ones go out in CHUNK-sized
+# pieces (a chunk of float32 is 128 KiB, enough to amortise the scheduling).
+cdef int64_t _PARALLEL_MIN = 1 << 16
+cdef int64_t CHUNK = 1 << 15
+PARALLEL_MIN = _PARALLEL_MIN
+
+
+def _max_threads():
+    """omp_get_max_threads() of the calling thread, or 1 in a build without OpenMP."""
+    return bnbw__max_threads()
+
+
+def simd_path():
+    """Which conversion code this CPU runs, e.g. 'f16: F16C, bf16: AVX2' or 'portable'."""
+    return bnbw_half_simd_path().decode("ascii")
+
+
+def _force_portable(bint on):
+    """Testing and benchmarking aid: route every conversion through the portable scalar code."""
+    bnbw_half_force_portable(on)
+
+
+cdef int _threads(object num_threads) except -1:
+    if num_threads is None:
+        return bnbw__max_threads()
+    if isinstance(num_threads, bool):
+        raise TypeError("num_threads: expected an int or None, got bool")
+    try:
+        n = operator.index(num_threads)
+    except TypeError:
+        raise TypeError(f"num_threads: expected an int or None, got {type(num_threads).__name__}") from None
+    if n < 1:
+        raise ValueError(f"num_threads: expected >= 1, got {n}")
+    return min(n, 1 << 12)
+
+
+cdef int _check(cnp.ndarray narrow, int itemsize, cnp.ndarray wide, bint narrow_out) except -1:
+    if cnp.PyArray_NDIM(narrow) != 1 or cnp.PyArray_NDIM(wide) != 1:
+        raise ValueError("expected 1-d arrays")
+    if cnp.PyArray_DIM(narrow, 0) != cnp.PyArray_DIM(wide, 0):
+        raise ValueError("expected arrays of equal length")
+    if cnp.PyArray_ITEMSIZE(narrow) != itemsize:
+        raise TypeError(f"expected {itemsize}-byte elements on the strided side")
+    if cnp.PyArray_TYPE(wide) != cnp.NPY_FLOAT32:
+        raise TypeError("expected a float32 array on the float side")
+    if not (cnp.PyArray_IS_C_CONTIGUOUS(wide) and cnp.PyArray_ISALIGNED(wide)):
+        raise ValueError("expected a contiguous, aligned float32 array")
+    if not cnp.PyArray_ISWRITEABLE(narrow if narrow_out else wide):
+        raise ValueError("expected a writable destination")
+    return 0
+
+
+cdef void _load(load_fn fn, const char *src, int64_t stride, int64_t n, float *dst,
+                int threads) noexcept nogil:
+    cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef int64_t c, start
+    if n < _PARALLEL_MIN or threads == 1:
+        fn(src, stride, n, dst)
+        return
+    for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
+        start = c * CHUNK
+        fn(src + start * stride, stride, min(CHUNK, n - start), dst + start)
+
+
+cdef void _store(store_fn fn, const float *src, int64_t n, char *dst, int64_t stride,
+                 int threads) noexcept nogil:
+    cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef int64_t c, start
+    if n < _PARALLEL_MIN or threads == 1:
+        fn(src, n, dst, stride)
+        return
+    for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
+        start = c * CHUNK
+        fn(src + start, min(CHUNK, n - start), dst + start * stride, stride)
+
+
+def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_threads=None):
+    """Widen 1-d `src` (kind 'f16', 'bf16' or 'f32'; any byte stride) into contiguous float32 `dst`."""
+    cdef load_fn fn
+    cdef int itemsize = 2
+    if kind == "f16":
+        fn = bnbw_load_f16
+    elif kind == "bf16":
+        fn = bnbw_load_bf16
+    elif kind == "f32":
+        fn, itemsize = bnbw_load_f32, 4
+    else:
+        raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
+    cdef int threads = _threads(num_threads)
+    _check(src, itemsize, dst, False)
+    cdef const char *sp = <const char *>cnp.PyArray_DATA(src)
+    cdef int64_t stride = cnp.PyArray_STRIDE(src, 0)
+    cdef int64_t n = cnp.PyArray_DIM(src, 0)
+    cdef float *dp = <float *>cnp.PyArray_DATA(dst)
+    with nogil:
+        _load(fn, sp, stride, n, dp, threads)
+
+
+def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_threads=None):
+    """Narrow contiguous float32 `src` into 1-d `dst` (kind 'f16', 'bf16' or 'f32'; any byte stride)."""
+    cdef store_fn fn
+    cdef int itemsize = 2
+    if kind == "f16":
+        fn = bnbw_store_f16
+    elif kind == "bf16":
+        fn = bnbw_store_bf16
+    elif kind == "f32":
+        fn, itemsize = bnbw_store_f32, 4
+    else:
+        raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
+    cdef int threads = _threads(num_threads)
+    _check(dst, itemsize, src, True)
+    cdef const float *sp = <const float *>cnp.PyArray_DATA(src)
+    cdef char *dp = <char *>cnp.PyArray_DATA(dst)
+    cdef int64_t stride = cnp.PyArray_STRIDE(dst, 0)
+    cdef int64_t n = cnp.PyArray_DIM(dst, 0)
+    with nogil:
+        _store(fn, sp, n, dp, stride, threads)
+
+
+def _f64_to_f16_bits(const double[::1] src):
+    """bnbw_f64_to_f16 over an array, as uint16 bit patterns (exposes the core's scalar rounding to tests)."""
+    out = np.empty(src.shape[0], dtype=np.uint16)
+    cdef uint16_t[::1] o = out
+    cdef Py_ssize_t i
+    with nogil:
+        for i in range(src.shape[0]):
+            o[i] = bnbw_f64_to_f16(src[i]).bits
+    return out
+
+
+def _f64_to_bf16_bits(const double[::1] src):
+    """bnbw_f64_to_bf16 over an array, as uint16 bit patterns."""
+    out = np.empty(src.shape[0], dtype=np.uint16)
+    cdef uint16_t[::1] o = out
+    cdef Py_ssize_t i
+    with nogil:
+        for i in range(src.shape[0]):
+            o[i] = bnbw_f64_to_bf16(src[i]).bits
+    return out

@@ -1,44 +1,408 @@
-/* TEMPORARY portable stand-in; the real header (F16C fast paths) replaces this file. */
+/* bnbw_half.h: float16 / bfloat16 <-> float32 conversions for bnbw_native.
+ *
+ * Why it looks like this:
+ * - The scalar functions are integer bit manipulation only, so they mean the same thing on every
+ *   compiler, under every MXCSR/FENV state (rounding mode, FTZ, DAZ) and with or without SIMD.
+ *   They reproduce NumPy's float16 casts and ml_dtypes' bfloat16 casts bit for bit, NaNs
+ *   included: NumPy truncates a NaN payload into the half (keeping it a NaN, never quieting it)
+ *   and widens it back unchanged; ml_dtypes turns every NaN into the quiet NaN 0x7fc0 with the
+ *   sign kept.  Every other value is rounded to nearest, ties to even, with subnormals and
+ *   overflow to infinity.
+ * - The SIMD kernels must agree with the scalar functions on every input.  F16C quiets signalling
+ *   NaNs in both directions, so the f16 kernels patch NaN lanes with integer ops afterwards.
+ *   F16C rounding comes from the immediate (nearest-even), never from MXCSR.
+ * - The fast path is picked once at run time with __builtin_cpu_supports rather than
+ *   target_clones: the kernels are hand-written intrinsics (no clone of the portable loop would
+ *   become F16C code), bnbw_half_simd_path() must name the path really taken, and gcc 12
+ *   dispatches a target_clones("arch=haswell") clone on __builtin_cpu_is("haswell"), the CPU
+ *   model, so newer AVX2 CPUs never take it.  Non-x86 or non-GNU compilers get portable code.
+ * - Everything is static: the header is compiled into more than one extension module.
+ * - Row converters: the 16-bit (or strided f32) side is accessed through memcpy, so it needs no
+ *   alignment and any byte stride (negative, zero, odd) works; strided rows are gathered into a
+ *   small stack buffer so they use the same SIMD kernels as contiguous ones.  The float side is
+ *   a contiguous, aligned float array.  n <= 0 does nothing.  Source and destination must not
+ *   overlap.
+ */
 #ifndef BNBW_HALF_H
 #define BNBW_HALF_H
+
 #include <stdint.h>
 #include <string.h>
-#include <math.h>
-typedef struct { uint16_t bits; } bnbw_f16;
-typedef struct { uint16_t bits; } bnbw_bf16;
-static inline float bnbw_f16_to_f32(bnbw_f16 h) {
-    uint32_t s = (uint32_t)(h.bits & 0x8000) << 16, e = (h.bits >> 10) & 0x1f, m = h.bits & 0x3ff, u;
-    if (e == 0x1f) u = s | 0x7f800000 | (m << 13);
-    else if (e) u = s | ((e + 112) << 23) | (m << 13);
-    else { float f = (float)m * 5.9604644775390625e-08f; memcpy(&u, &f, 4); u |= s; }
-    float f; memcpy(&f, &u, 4); return f;
-}
-static inline bnbw_f16 bnbw_f64_to_f16(double d) {
-    bnbw_f16 r; uint16_t s = signbit(d) ? 0x8000 : 0; double a = fabs(d);
-    if (isnan(d)) { r.bits = s | 0x7e00; return r; }
-    if (a >= 65520.0) { r.bits = s | 0x7c00; return r; }
-    int e; frexp(a, &e);            /* a = f * 2^e, f in [0.5,1) */
-    if (a < 6.103515625e-05) e = -13; /* subnormal: fixed quantum 2^-24 */
-    double q = ldexp(1.0, e - 11), k = nearbyint(a / q);
-    double v = k * q; uint32_t u; float fv = (float)v; memcpy(&u, &fv, 4);
-    if (v == 0) { r.bits = s; return r; }
-    if (v < 6.103515625e-05) { r.bits = s | (uint16_t)(v / 5.9604644775390625e-08); return r; }
-    uint32_t ee = ((u >> 23) & 0xff) - 112, mm = (u >> 13) & 0x3ff;
-    r.bits = s | (uint16_t)((ee << 10) | mm); return r;
-}
-static inline bnbw_f16 bnbw_f32_to_f16(float f) { return bnbw_f64_to_f16((double)f); }
-static inline float bnbw_bf16_to_f32(bnbw_bf16 h) { uint32_t u = (uint32_t)h.bits << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline bnbw_bf16 bnbw_f32_to_bf16(float f) {
-    uint32_t u; memcpy(&u, &f, 4); bnbw_bf16 r;
-    if (isnan(f)) { r.bits = (uint16_t)((u >> 16) | 0x40); return r; }
-    u += 0x7fff + ((u >> 16) & 1); r.bits = (uint16_t)(u >> 16); return r;
-}
-static inline bnbw_bf16 bnbw_f64_to_bf16(double d) { return bnbw_f32_to_bf16((float)d); }
-static void bnbw_load_f32(const char *s, int64_t st, int64_t n, float *d) { for (int64_t i = 0; i < n; ++i) memcpy(d + i, s + i * st, 4); }
-static void bnbw_store_f32(const float *s, int64_t n, char *d, int64_t st) { for (int64_t i = 0; i < n; ++i) memcpy(d + i * st, s + i, 4); }
-static void bnbw_load_f16(const char *s, int64_t st, int64_t n, float *d) { for (int64_t i = 0; i < n; ++i) { bnbw_f16 h; memcpy(&h, s + i * st, 2); d[i] = bnbw_f16_to_f32(h); } }
-static void bnbw_store_f16(const float *s, int64_t n, char *d, int64_t st) { for (int64_t i = 0; i < n; ++i) { bnbw_f16 h = bnbw_f32_to_f16(s[i]); memcpy(d + i * st, &h, 2); } }
-static void bnbw_load_bf16(const char *s, int64_t st, int64_t n, float *d) { for (int64_t i = 0; i < n; ++i) { bnbw_bf16 h; memcpy(&h, s + i * st, 2); d[i] = bnbw_bf16_to_f32(h); } }
-static void bnbw_store_bf16(const float *s, int64_t n, char *d, int64_t st) { for (int64_t i = 0; i < n; ++i) { bnbw_bf16 h = bnbw_f32_to_bf16(s[i]); memcpy(d + i * st, &h, 2); } }
-static const char *bnbw_half_simd_path(void) { return "portable"; }
+
+typedef struct { uint16_t bits; } bnbw_f16;   /* IEEE binary16 storage */
+typedef struct { uint16_t bits; } bnbw_bf16;  /* bfloat16 storage */
+/* distinct struct types on purpose: a Cython fused type over two uint16_t typedefs collapses to one */
+
+#if defined(__GNUC__) || defined(__clang__)
+#define BNBW__UNUSED __attribute__((unused))
+#else
+#define BNBW__UNUSED
 #endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define BNBW__X86_DISPATCH 1
+#include <immintrin.h>
+#define BNBW__AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+/* ---------------------------------------------------------------- scalar, bit-level semantics */
+
+static inline uint32_t bnbw__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bnbw__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Rounds the finite magnitude sig * 2^(e - src_frac) (sig < 2^53, e its unbiased exponent, or the
+ * minimum one for a subnormal) to a format with dst_frac fraction bits and exponent bias dst_bias,
+ * with a single round-to-nearest-even.  Returns exponent and fraction bits; a carry out of the
+ * fraction lands in the exponent, so rounding past the largest finite value gives infinity. */
+static inline uint32_t bnbw__narrow(uint64_t sig, int e, int src_frac, int dst_frac, int dst_bias)
+{
+    const int emin = 1 - dst_bias;
+    if (e > dst_bias)
+        return (uint32_t)(2 * dst_bias + 1) << dst_frac;
+    int et = e < emin ? emin : e;
+    int shift = src_frac - dst_frac + (et - e);
+    if (shift > 63)
+        shift = 63;  /* sig < 2^53 then lies below half a unit: rounds to zero all the same */
+    uint64_t q = sig >> shift;
+    uint64_t rem = sig & ((UINT64_C(1) << shift) - 1);
+    uint64_t half = UINT64_C(1) << (shift - 1);
+    q += (rem > half) || (rem == half && (q & 1));
+    return ((uint32_t)(et - emin) << dst_frac) + (uint32_t)q;
+}
+
+static inline float bnbw_f16_to_f32(bnbw_f16 h)
+{
+    uint32_t sign = (uint32_t)(h.bits & 0x8000u) << 16;
+    uint32_t exp = (h.bits >> 10) & 0x1fu;
+    uint32_t frac = h.bits & 0x3ffu;
+    if (exp == 0x1f)  /* inf or NaN: payload kept, never quieted */
+        return bnbw__bits_f32(sign | 0x7f800000u | (frac << 13));
+    if (exp == 0) {
+        if (frac == 0)
+            return bnbw__bits_f32(sign);
+        exp = 1;
+        while (!(frac & 0x400u)) {
+            frac <<= 1;
+            exp--;
+        }
+        frac &= 0x3ffu;
+    }
+    return bnbw__bits_f32(sign | ((exp + 112u) << 23) | (frac << 13));
+}
+
+static inline bnbw_f16 bnbw_f32_to_f16(float f)
+{
+    uint32_t x = bnbw__f32_bits(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t a = x & 0x7fffffffu;
+    bnbw_f16 r;
+    if (a > 0x7f800000u) {  /* NaN keeps the top of its payload, and stays a NaN */
+        uint32_t m = (a >> 13) & 0x3ffu;
+        r.bits = (uint16_t)(sign | 0x7c00u | (m ? m : 1u));
+    } else if (a >= 0x477ff000u) {  /* 65520 and above round to infinity */
+        r.bits = (uint16_t)(sign | 0x7c00u);
+    } else if (a >= 0x38800000u) {  /* normal half: rebias, round off 13 bits; a carry is right */
+        a -= 0x38000000u;
+        r.bits = (uint16_t)(sign | ((a + 0xfffu + ((a >> 13) & 1u)) >> 13));
+    } else {
+        uint32_t exp = a >> 23;
+        uint64_t sig = exp ? ((a & 0x7fffffu) | 0x800000u) : a;
+        r.bits = (uint16_t)(sign | bnbw__narrow(sig, exp ? (int)exp - 127 : -126, 23, 10, 15));
+    }
+    return r;
+}
+
+static inline bnbw_f16 bnbw_f64_to_f16(double d)
+{
+    uint64_t x;
+    memcpy(&x, &d, 8);
+    uint16_t sign = (uint16_t)((x >> 48) & 0x8000u);
+    uint32_t exp = (uint32_t)(x >> 52) & 0x7ffu;
+    uint64_t frac = x & ((UINT64_C(1) << 52) - 1);
+    bnbw_f16 r;
+    if (exp == 0x7ff) {
+        uint32_t m = (uint32_t)(frac >> 42);
+        r.bits = (uint16_t)(sign | 0x7c00u | (frac && !m ? 1u : m));
+        return r;
+    }
+    uint64_t sig = exp ? (frac | (UINT64_C(1) << 52)) : frac;
+    int e = exp ? (int)exp - 1023 : -1022;
+    r.bits = (uint16_t)(sign | bnbw__narrow(sig, e, 52, 10, 15));
+    return r;
+}
+
+static inline float bnbw_bf16_to_f32(bnbw_bf16 h)
+{
+    return bnbw__bits_f32((uint32_t)h.bits << 16);
+}
+
+static inline bnbw_bf16 bnbw_f32_to_bf16(float f)
+{
+    uint32_t x = bnbw__f32_bits(f);
+    bnbw_bf16 r;
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        r.bits = (uint16_t)(((x >> 16) & 0x8000u) | 0x7fc0u);
+    else  /* same exponent range as float32: nearest-even on the low 16 bits is the whole story */
+        r.bits = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    return r;
+}
+
+static inline bnbw_bf16 bnbw_f64_to_bf16(double d)
+{
+    uint64_t x;
+    memcpy(&x, &d, 8);
+    uint16_t sign = (uint16_t)((x >> 48) & 0x8000u);
+    uint32_t exp = (uint32_t)(x >> 52) & 0x7ffu;
+    uint64_t frac = x & ((UINT64_C(1) << 52) - 1);
+    bnbw_bf16 r;
+    if (exp == 0x7ff) {
+        r.bits = (uint16_t)(sign | (frac ? 0x7fc0u : 0x7f80u));
+        return r;
+    }
+    uint64_t sig = exp ? (frac | (UINT64_C(1) << 52)) : frac;
+    int e = exp ? (int)exp - 1023 : -1022;
+    r.bits = (uint16_t)(sign | bnbw__narrow(sig, e, 52, 7, 127));
+    return r;
+}
+
+/* ---------------------------------------------------------------- contiguous portable rows */
+
+static inline uint16_t bnbw__get16(const char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline void bnbw__put16(char *p, uint16_t v) { memcpy(p, &v, 2); }
+
+static BNBW__UNUSED void bnbw__load_f16_portable(const char *src, int64_t n, float *dst)
+{
+    for (int64_t i = 0; i < n; i++) {
+        bnbw_f16 h = {bnbw__get16(src + 2 * i)};
+        dst[i] = bnbw_f16_to_f32(h);
+    }
+}
+
+static BNBW__UNUSED void bnbw__store_f16_portable(const float *src, int64_t n, char *dst)
+{
+    for (int64_t i = 0; i < n; i++)
+        bnbw__put16(dst + 2 * i, bnbw_f32_to_f16(src[i]).bits);
+}
+
+static BNBW__UNUSED void bnbw__load_bf16_portable(const char *src, int64_t n, float *dst)
+{
+    for (int64_t i = 0; i < n; i++) {
+        bnbw_bf16 h = {bnbw__get16(src + 2 * i)};
+        dst[i] = bnbw_bf16_to_f32(h);
+    }
+}
+
+static BNBW__UNUSED void bnbw__store_bf16_portable(const float *src, int64_t n, char *dst)
+{
+    for (int64_t i = 0; i < n; i++)
+        bnbw__put16(dst + 2 * i, bnbw_f32_to_bf16(src[i]).bits);
+}
+
+/* ---------------------------------------------------------------- contiguous AVX2/F16C rows */
+
+#ifdef BNBW__X86_DISPATCH
+
+static BNBW__UNUSED BNBW__AVX2 void bnbw__load_f16_f16c(const char *src, int64_t n, float *dst)
+{
+    const __m256i quiet = _mm256_set1_epi32(0x00400000);
+    const __m256i mag = _mm256_set1_epi32(0x7fff);
+    const __m256i inf = _mm256_set1_epi32(0x7c00);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * i));
+        __m256i f = _mm256_castps_si256(_mm256_cvtph_ps(h));
+        /* F16C sets the quiet bit of a NaN; put the source's own bit back */
+        __m256i h32 = _mm256_cvtepu16_epi32(h);
+        __m256i fix = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_and_si256(h32, mag), inf), quiet);
+        f = _mm256_or_si256(_mm256_andnot_si256(fix, f),
+                            _mm256_and_si256(_mm256_slli_epi32(h32, 13), fix));
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), f);
+    }
+    bnbw__load_f16_portable(src + 2 * i, n - i, dst + i);
+}
+
+static BNBW__UNUSED BNBW__AVX2 void bnbw__store_f16_f16c(const float *src, int64_t n, char *dst)
+{
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i inf = _mm256_set1_epi32(0x7f800000);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 f = _mm256_loadu_ps(src + i);
+        __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
+        __m256i x = _mm256_castps_si256(f);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, absmask), inf);
+        if (!_mm256_testz_si256(nan, nan)) {
+            /* F16C quiets NaNs; NumPy keeps the payload's top bits (made non-zero) instead */
+            __m256i m = _mm256_srli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffff)), 13);
+            m = _mm256_or_si256(m, _mm256_and_si256(_mm256_cmpeq_epi32(m, _mm256_setzero_si256()),
+                                                    _mm256_set1_epi32(1)));
+            __m256i sign = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x8000));
+            __m256i v = _mm256_or_si256(_mm256_or_si256(sign, m), _mm256_set1_epi32(0x7c00));
+            __m128i v16 = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+            h = _mm_blendv_epi8(h, v16, n16);
+        }
+        _mm_storeu_si128((__m128i *)(void *)(dst + 2 * i), h);
+    }
+    bnbw__store_f16_portable(src + i, n - i, dst + 2 * i);
+}
+
+static BNBW__UNUSED BNBW__AVX2 void bnbw__load_bf16_avx2(const char *src, int64_t n, float *dst)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * i));
+        __m256i f = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), f);
+    }
+    bnbw__load_bf16_portable(src + 2 * i, n - i, dst + i);
+}
+
+static inline BNBW__AVX2 __m256i bnbw__bf16_round8(__m256i x)
+{
+    const __m256i one = _mm256_set1_epi32(1);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    __m256i qnan = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x8000)),
+                                   _mm256_set1_epi32(0x7fc0));
+    return _mm256_blendv_epi8(r, qnan, nan);
+}
+
+static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int64_t n, char *dst)
+{
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i a = bnbw__bf16_round8(_mm256_loadu_si256((const __m256i *)(const void *)(src + i)));
+        __m256i b = bnbw__bf16_round8(_mm256_loadu_si256((const __m256i *)(const void *)(src + i + 8)));
+        /* lanes hold values <= 0xffff, so the unsigned saturating pack is exact; it packs per
+           128-bit half, hence the qword permutation back into order */
+        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+        _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * i), h);
+    }
+    bnbw__store_bf16_portable(src + i, n - i, dst + 2 * i);
+}
+
+/* 0: portable, 1: AVX2 + FMA + F16C; -1: not decided yet.  Relaxed atomics keep the lazy
+   initialisation race-free when OpenMP threads call the row converters first. */
+static int bnbw__half_level_cache = -1;
+
+static BNBW__UNUSED int bnbw__half_level(void)
+{
+    int level = __atomic_load_n(&bnbw__half_level_cache, __ATOMIC_RELAXED);
+    if (level < 0) {
+        __builtin_cpu_init();
+        level = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                && __builtin_cpu_supports("f16c");
+        __atomic_store_n(&bnbw__half_level_cache, level, __ATOMIC_RELAXED);
+    }
+    return level;
+}
+
+/* Testing and benchmarking aid: non-zero makes this module's row converters take the portable
+   path, zero restores the run-time choice. */
+static BNBW__UNUSED void bnbw_half_force_portable(int on)
+{
+    __atomic_store_n(&bnbw__half_level_cache, on ? 0 : -1, __ATOMIC_RELAXED);
+}
+
+#define BNBW__PICK(simd, portable) (bnbw__half_level() ? (simd) : (portable))
+
+#else
+
+static BNBW__UNUSED void bnbw_half_force_portable(int on) { (void)on; }
+
+#define BNBW__PICK(simd, portable) (portable)
+
+#endif
+
+static BNBW__UNUSED const char *bnbw_half_simd_path(void)
+{
+    return BNBW__PICK("f16: F16C, bf16: AVX2", "portable");
+}
+
+/* ---------------------------------------------------------------- public row converters */
+
+typedef void (*bnbw__load_kernel)(const char *, int64_t, float *);
+typedef void (*bnbw__store_kernel)(const float *, int64_t, char *);
+
+#define BNBW__STAGE 256  /* elements gathered per strided step: 512 bytes of stack */
+
+static inline void bnbw__load16(bnbw__load_kernel k, const char *src, int64_t src_stride,
+                                int64_t n, float *dst)
+{
+    if (src_stride == 2) {
+        k(src, n, dst);
+        return;
+    }
+    char buf[2 * BNBW__STAGE];
+    for (int64_t i = 0; i < n; i += BNBW__STAGE) {
+        int64_t m = n - i < BNBW__STAGE ? n - i : BNBW__STAGE;
+        for (int64_t j = 0; j < m; j++)
+            memcpy(buf + 2 * j, src + (i + j) * src_stride, 2);
+        k(buf, m, dst + i);
+    }
+}
+
+static inline void bnbw__store16(bnbw__store_kernel k, const float *src, int64_t n, char *dst,
+                                 int64_t dst_stride)
+{
+    if (dst_stride == 2) {
+        k(src, n, dst);
+        return;
+    }
+    char buf[2 * BNBW__STAGE];
+    for (int64_t i = 0; i < n; i += BNBW__STAGE) {
+        int64_t m = n - i < BNBW__STAGE ? n - i : BNBW__STAGE;
+        k(src + i, m, buf);
+        for (int64_t j = 0; j < m; j++)
+            memcpy(dst + (i + j) * dst_stride, buf + 2 * j, 2);
+    }
+}
+
+static BNBW__UNUSED void bnbw_load_f16(const char *src, int64_t src_stride, int64_t n, float *dst)
+{
+    bnbw__load16(BNBW__PICK(bnbw__load_f16_f16c, bnbw__load_f16_portable), src, src_stride, n, dst);
+}
+
+static BNBW__UNUSED void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t dst_stride)
+{
+    bnbw__store16(BNBW__PICK(bnbw__store_f16_f16c, bnbw__store_f16_portable), src, n, dst, dst_stride);
+}
+
+static BNBW__UNUSED void bnbw_load_bf16(const char *src, int64_t src_stride, int64_t n, float *dst)
+{
+    bnbw__load16(BNBW__PICK(bnbw__load_bf16_avx2, bnbw__load_bf16_portable), src, src_stride, n, dst);
+}
+
+static BNBW__UNUSED void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t dst_stride)
+{
+    bnbw__store16(BNBW__PICK(bnbw__store_bf16_avx2, bnbw__store_bf16_portable), src, n, dst, dst_stride);
+}
+
+static BNBW__UNUSED void bnbw_load_f32(const char *src, int64_t src_stride, int64_t n, float *dst)
+{
+    if (n <= 0)
+        return;
+    if (src_stride == 4) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + i, src + i * src_stride, 4);
+}
+
+static BNBW__UNUSED void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t dst_stride)
+{
+    if (n <= 0)
+        return;
+    if (dst_stride == 4) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + i * dst_stride, src + i, 4);
+}
+
+#endif /* BNBW_HALF_H */

@@ -16,7 +16,7 @@
  * compute the same bits.
  *
  * Vectorisation.  The loops are written with explicit independent lanes so that gcc vectorises
- * them at -O3 without -ffast-math; target_clones adds an AVX2+FMA+F16C ("haswell") clone chosen
+ * them at -O3 without -ffast-math; target_clones adds an AVX2+FMA+F16C ("x86-64-v3") clone chosen
  * at load time, while the baseline clone keeps the wheel portable.
  */
 #ifndef BNBW_KERNELS_H
@@ -25,7 +25,7 @@
 #include <stdint.h>
 
 #if defined(BNBW_HAVE_TARGET_CLONES)
-#define BNBW_SIMD __attribute__((target_clones("arch=haswell", "default")))
+#define BNBW_SIMD __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define BNBW_SIMD
 #endif

@@ -1,0 +1,94 @@
+"""Throughput of bnbw_native.half against a plain memory copy and against NumPy / ml_dtypes.
+
+Why this yardstick: the conversions do a few integer ops per element and are meant to be
+memory bound, so the honest target is the bandwidth of np.copyto over the same source bytes
+(read + write counted for every row).  Destinations are allocated once so page faults are
+timed for nobody but the library astype calls, which allocate by design.
+
+    PYTHONPATH=. python bench/bench_half.py [--mib 64] [--repeat 7]   (or after pip install .)
+"""
+import argparse
+import time
+
+import numpy as np
+
+from bnbw_native import _half, half
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+
+def best_seconds(call, repeat):
+    call()  # warm-up: first touch of the destination, thread pool start
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64, help="source size in MiB (default 64)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed runs, best kept (default 7)")
+    args = parser.parse_args()
+
+    nbytes = args.mib << 20
+    rng = np.random.default_rng(0)
+    f32 = rng.standard_normal(nbytes // 4, dtype=np.float32)
+    h16 = f32[: nbytes // 2 // 2].astype(np.float16)
+    h16 = np.concatenate([h16, h16])  # nbytes of float16
+    b16 = (f32.view(np.uint32) >> 16).astype(np.uint16)
+    b16 = np.concatenate([b16, b16])
+    if ml_dtypes is not None:
+        b16 = b16.view(ml_dtypes.bfloat16)
+    out16 = np.empty(f32.size, np.float16)
+    outb = np.empty(f32.size, b16.dtype)
+    out32 = np.empty(h16.size, np.float32)
+
+    copy_dst = np.empty_like(f32)
+    copy_s = best_seconds(lambda: np.copyto(copy_dst, f32), args.repeat)
+    copy_gbs = 2 * nbytes / copy_s / 1e9
+
+    print(f"simd path: {_half.simd_path()}; OpenMP max threads: {_half._max_threads()}; "
+          f"source {args.mib} MiB; best of {args.repeat}")
+    print(f"{'case':44s} {'ms':>8s} {'GB/s':>7s} {'% copy':>7s}")
+    print(f"{'np.copyto (same source bytes)':44s} {copy_s * 1e3:8.2f} {copy_gbs:7.2f} {100:7.0f}")
+
+    cases = [
+        ("float32_to_float16", f32, out16, half.float32_to_float16,
+         ("numpy astype(float16)", lambda: f32.astype(np.float16))),
+        ("float16_to_float32", h16, out32, half.float16_to_float32,
+         ("numpy astype(float32)", lambda: h16.astype(np.float32))),
+        ("float32_to_bfloat16", f32, outb, half.float32_to_bfloat16,
+         ("ml_dtypes astype(bfloat16)", lambda: f32.astype(ml_dtypes.bfloat16)) if ml_dtypes else None),
+        ("bfloat16_to_float32", b16, out32, half.bfloat16_to_float32,
+         ("ml_dtypes astype(float32)", lambda: b16.astype(np.float32)) if ml_dtypes else None),
+    ]
+    with np.errstate(all="ignore"):
+        for name, src, out, func, library in cases:
+            moved = src.nbytes + out.nbytes
+            rows = [(f"{name}, {t} thread{'s' * (t > 1)}",
+                     lambda func=func, src=src, out=out, t=t: func(src, out=out, num_threads=t))
+                    for t in (1, 2)]
+            if library is not None:
+                rows.append(library)
+            for label, call in rows:
+                s = best_seconds(call, args.repeat)
+                gbs = moved / s / 1e9
+                print(f"{label:44s} {s * 1e3:8.2f} {gbs:7.2f} {100 * gbs / copy_gbs:7.0f}")
+            _half._force_portable(True)
+            try:
+                s = best_seconds(lambda: func(src, out=out, num_threads=1), args.repeat)
+            finally:
+                _half._force_portable(False)
+            gbs = moved / s / 1e9
+            print(f"{name + ', portable code, 1 thread':44s} {s * 1e3:8.2f} {gbs:7.2f} "
+                  f"{100 * gbs / copy_gbs:7.0f}")
+
+
+if __name__ == "__main__":
+    main()
