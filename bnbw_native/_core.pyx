@@ -67,12 +67,11 @@ cdef extern from "bnbw_kernels.h" nogil:
     void bnbw_apply_row(const float *x, const float *dy, float *dx, int64_t n,
                         float mean, float k1, float k2, float k3)
     void bnbw_scale_row(const float *dy, float *dx, int64_t n, float k1)
-    void bnbw_reduce_channels(const float *x, const float *dy, int64_t n, const float *mean,
-                              double *sum_g, double *sum_xg)
-    void bnbw_apply_channels(const float *x, const float *dy, float *dx, int64_t n,
-                             const float *mean, const float *k1, const float *k2,
-                             const float *k3)
-    void bnbw_scale_channels(const float *dy, float *dx, int64_t n, const float *k1)
+    void bnbw_apply_rows(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
+                         float *dx, int64_t dx_row, int64_t rows, int64_t n, const float *mean,
+                         const float *k1, const float *k2, const float *k3)
+    void bnbw_scale_rows(const float *dy, int64_t dy_row, float *dx, int64_t dx_row,
+                         int64_t rows, int64_t n, const float *k1)
     void bnbw_reduce_rows(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
                           int64_t rows, int64_t n, const float *mean, double *sum_g,
                           double *sum_xg)
@@ -421,45 +420,85 @@ cdef void major_block(const Plan *p, const Operands *o, int64_t c, int64_t b, in
         col = 0
 
 
+cdef inline const float *stage_rows(const Plan *p, const char *base, int t, int64_t r0,
+                                    int64_t nr, int64_t c0, int64_t w, bint direct,
+                                    float *tile, int64_t *row_stride) noexcept nogil:
+    """Rows r0..r0+nr of channels c0..c0+w of operand t, as f32 rows `row_stride` floats
+    apart: in place when `direct`, else gathered (and converted) into `tile`."""
+    cdef int64_t off[3]
+    cdef int64_t isz = itemsize(p.big_dtype), i
+    row_origin(p, r0, off)
+    if direct:
+        row_stride[0] = p.outer_stride[t][0] // 4 if p.n_outer == 1 else w
+        return <const float *> (base + off[t]) + c0
+    row_stride[0] = w
+    if p.n_outer == 1 and p.outer_stride[t][0] == w * isz:
+        return load_row(base + off[t] + c0 * isz, p.big_dtype, isz, nr * w, tile)   # packed
+    for i in range(nr):
+        if i:
+            row_origin(p, r0 + i, off)
+        load_row(base + off[t] + c0 * isz, p.big_dtype, isz, w, tile + i * w)
+    return tile
+
+
+cdef inline void unstage_rows(const Plan *p, char *base, int64_t r0, int64_t nr, int64_t c0,
+                              int64_t w, const float *tile) noexcept nogil:
+    cdef int64_t off[3]
+    cdef int64_t isz = itemsize(p.big_dtype), i
+    row_origin(p, r0, off)
+    if p.n_outer == 1 and p.outer_stride[2][0] == w * isz:
+        store_row(tile, nr * w, base + off[2] + c0 * isz, p.big_dtype, isz)
+        return
+    for i in range(nr):
+        if i:
+            row_origin(p, r0 + i, off)
+        store_row(tile + i * w, w, base + off[2] + c0 * isz, p.big_dtype, isz)
+
+
 cdef void last_block(const Plan *p, const Operands *o, int64_t rb, int64_t grp, int what,
                      float *tiles, double *sum_g, double *sum_xg) noexcept nogil:
-    """Channel-last item (row block rb, channel group grp); sums accumulate into the block's
-    own partial arrays, indexed by channel."""
+    """Channel-last item (row block rb, channel group grp).  Rows go to the kernels in slabs:
+    f32 rows at one stride in place (the whole block at once), anything else staged through
+    the tiles, TILE // w rows at a time.  Sums accumulate row by row, in row order, into the
+    block's own partial arrays, whatever the slab size."""
     cdef int64_t c0 = grp * p.group
     cdef int64_t w = imin(p.group, p.channels - c0)
-    cdef int64_t r, r_end = imin((rb + 1) * p.block, p.count)
-    cdef int64_t off[3]
-    cdef int64_t isz = itemsize(p.big_dtype)
+    cdef int64_t r0 = rb * p.block, nr
+    cdef int64_t r_end = imin((rb + 1) * p.block, p.count)
+    cdef bint direct = p.big_dtype == DT_F32
     cdef const float *xs = NULL
     cdef const float *gs
     cdef float *ds
-    cdef char *dst
-    cdef int dt = p.big_dtype
-    if what & DO_REDUCE and dt == DT_F32 and p.n_outer == 1:
-        # rows at one constant stride: keep the sums in registers across the rows
-        row_origin(p, rb * p.block, off)
-        bnbw_reduce_rows(<const float *> (o.x + off[0]) + c0, p.outer_stride[0][0] // 4,
-                         <const float *> (o.dy + off[1]) + c0, p.outer_stride[1][0] // 4,
-                         r_end - rb * p.block, w, o.mean + c0, sum_g + c0, sum_xg + c0)
-        what = what & ~DO_REDUCE
-        if what == 0:
-            return
-    for r in range(rb * p.block, r_end):
-        row_origin(p, r, off)
-        gs = load_row(o.dy + off[1] + c0 * isz, dt, isz, w, tiles + TILE)
+    cdef int64_t xr = 0, gr, dr
+    cdef int64_t off[3]
+    while r0 < r_end:
+        if not direct:
+            nr = imin(TILE // w, r_end - r0)
+        elif p.n_outer <= 1:
+            nr = r_end - r0
+        else:
+            nr = 1                 # f32 rows that do not share one stride: one at a time
+        gs = stage_rows(p, o.dy, 1, r0, nr, c0, w, direct, tiles + TILE, &gr)
         if what & (DO_REDUCE | DO_APPLY):
-            xs = load_row(o.x + off[0] + c0 * isz, dt, isz, w, tiles)
+            xs = stage_rows(p, o.x, 0, r0, nr, c0, w, direct, tiles, &xr)
         if what & DO_REDUCE:
-            bnbw_reduce_channels(xs, gs, w, o.mean + c0, sum_g + c0, sum_xg + c0)
+            bnbw_reduce_rows(xs, xr, gs, gr, nr, w, o.mean + c0, sum_g + c0, sum_xg + c0)
         if what & (DO_APPLY | DO_SCALE):
-            dst = o.dx + off[2] + c0 * isz
-            ds = row_target(dst, dt, isz, tiles + 2 * TILE)
-            if what & DO_APPLY:
-                bnbw_apply_channels(xs, gs, ds, w, o.mean + c0, o.k1 + c0, o.k2 + c0,
-                                    o.k3 + c0)
+            if direct:
+                row_origin(p, r0, off)
+                ds = <float *> (o.dx + off[2]) + c0
+                dr = p.outer_stride[2][0] // 4 if p.n_outer == 1 else w
             else:
-                bnbw_scale_channels(gs, ds, w, o.k1 + c0)
-            store_row(ds, w, dst, dt, isz)
+                ds = tiles + 2 * TILE
+                dr = w
+            if what & DO_APPLY:
+                bnbw_apply_rows(xs, xr, gs, gr, ds, dr, nr, w, o.mean + c0, o.k1 + c0,
+                                o.k2 + c0, o.k3 + c0)
+            else:
+                bnbw_scale_rows(gs, gr, ds, dr, nr, w, o.k1 + c0)
+            if not direct:
+                unstage_rows(p, o.dx, r0, nr, c0, w, ds)
+        r0 += nr
 
 
 cdef inline void coefficients(int op, double sum_g, double sum_xg, double count, float var,

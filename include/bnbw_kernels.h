@@ -219,18 +219,24 @@ static void bnbw_reduce_rows(const float *x, int64_t x_row, const float *dy, int
     bnbw_reduce_rows_portable(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg);
 }
 
-static BNBW_SIMD void bnbw_apply_channels(const float *x, const float *dy, float *dx, int64_t n,
-                                          const float *mean, const float *k1, const float *k2,
-                                          const float *k3)
+/* dx = k1*dy + k2*(x - mean) + k3 per channel, over `rows` rows of n channels; each operand
+ * has its own row stride (in floats).  dx may alias dy (in place, same strides). */
+static BNBW_SIMD void bnbw_apply_rows(const float *x, int64_t x_row, const float *dy,
+                                      int64_t dy_row, float *dx, int64_t dx_row, int64_t rows,
+                                      int64_t n, const float *mean, const float *k1,
+                                      const float *k2, const float *k3)
 {
-    for (int64_t c = 0; c < n; ++c)
-        dx[c] = (k1[c] * dy[c] + k2[c] * (x[c] - mean[c])) + k3[c];
+    for (int64_t r = 0; r < rows; ++r, x += x_row, dy += dy_row, dx += dx_row)
+        for (int64_t c = 0; c < n; ++c)
+            dx[c] = (k1[c] * dy[c] + k2[c] * (x[c] - mean[c])) + k3[c];
 }
 
-static BNBW_SIMD void bnbw_scale_channels(const float *dy, float *dx, int64_t n, const float *k1)
+static BNBW_SIMD void bnbw_scale_rows(const float *dy, int64_t dy_row, float *dx,
+                                      int64_t dx_row, int64_t rows, int64_t n, const float *k1)
 {
-    for (int64_t c = 0; c < n; ++c)
-        dx[c] = k1[c] * dy[c];
+    for (int64_t r = 0; r < rows; ++r, dy += dy_row, dx += dx_row)
+        for (int64_t c = 0; c < n; ++c)
+            dx[c] = k1[c] * dy[c];
 }
 
 #endif /* BNBW_KERNELS_H */
