@@ -15,7 +15,7 @@ from ._graph import batchnorm_training_backward
 from ._pipeline import BackwardResult
 from ._twophase import backward_apply, backward_reduce
 
-_SUBMODULES = ("dml", "half", "ngraph", "onednn", "reference")
+_SUBMODULES = ("autograd", "distributed", "dml", "half", "ngraph", "onednn", "reference")
 
 
 def __getattr__(name):

@@ -25,7 +25,7 @@ def as_array(obj, name):
         arr = np.asarray(obj)
     except Exception as exc:  # any failure to view the object is a wrong kind of object
         raise TypeError(f"{name} must be an array (NumPy, buffer or DLPack), "
-                        f"got {type(obj).__name__}") from exc
+                        f"got {type(obj).__name__} ({exc})") from exc
     if arr.dtype == object:
         raise TypeError(f"{name} must be an array of numbers, got {type(obj).__name__}")
     return arr
@@ -151,10 +151,15 @@ def check_out(out, specs):
     arrays = []
     for entry, (label, shape, dtype) in zip(out, specs):
         if not isinstance(entry, np.ndarray):
-            if hasattr(entry, "__dlpack__"):
-                entry = np.from_dlpack(entry)
-            else:
+            if not hasattr(entry, "__dlpack__"):
                 raise TypeError(f"{label} must be a NumPy array, got {type(entry).__name__}")
+            try:
+                entry = np.from_dlpack(entry)
+            except Exception as exc:  # requires grad, a read-only legacy capsule, bf16, GPU
+                if "readonly" in str(exc).replace("-", "").replace(" ", "").lower():
+                    raise ValueError(f"{label} is read-only; outputs must be writable") from exc
+                raise TypeError(f"{label} must be a writable CPU array; its DLPack export "
+                                f"failed: {exc}") from exc
         if entry.dtype != dtype:
             raise TypeError(f"{label} must have dtype {np.dtype(dtype).name}, "
                             f"got {entry.dtype.name}")
@@ -164,8 +169,24 @@ def check_out(out, specs):
             raise ValueError(f"{label} is read-only; outputs must be writable")
         if not entry.flags.aligned:
             raise ValueError(f"{label} must be aligned to its item size")
+        if self_overlapping(entry):
+            raise ValueError(f"{label} has elements that share memory (zero or overlapping "
+                             f"strides {entry.strides}); an output must not overlap itself")
         arrays.append(entry)
     return arrays
+
+
+def self_overlapping(a):
+    """True unless the elements of `a` provably occupy distinct bytes: sorted by |stride|,
+    every stride must clear the span of the smaller ones (zero strides never do)."""
+    if a.size <= 1:
+        return False
+    extent = a.itemsize
+    for stride, size in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent += stride * (size - 1)
+    return False
 
 
 def check_no_overlap(outputs, inputs, in_place=None):

@@ -1,0 +1,139 @@
+"""Synchronised batch-norm backward over existing distributed engines (SPEC 7).
+
+Data-parallel training splits a batch over ranks; the training backward then needs the
+per-channel sums of every rank.  Each function here is the two-phase API with one collective
+in the middle:
+
+    partial, count = backward_reduce(local x, local dy, GLOBAL mean)     # local sums, f64
+    all-reduce partial (float64 (2, C)) and count (int64) in place       # the engine's job
+    backward_apply(local x, local dy, ..., partial, count)               # local rows
+
+* ``sync_batchnorm_backward``: ``torch.distributed`` (gloo, or MPI when torch was built with
+  it); NumPy buffers go to the collective through ``torch.from_numpy``, no copy.
+* ``sync_batchnorm_backward_mpi``: mpi4py ``comm.Allreduce(MPI.IN_PLACE, ...)`` on the NumPy
+  buffers.
+
+`mean` and `variance` are the GLOBAL statistics the caller's forward computed (every rank
+passes the same values).  diff_src holds this rank's rows; diff_gamma and diff_beta come from
+the global sums, so they are the gradients of the whole batch and equal on every rank (the
+collectives give every rank the same sum).  Under DistributedDataParallel, which averages
+parameter gradients over ranks, use ``bnbw_native.autograd.SyncBatchNorm`` instead: it returns
+the local parameter gradients, as ``torch.nn.SyncBatchNorm`` does.
+
+Every rank must call with the same C, dtypes and group.  Arguments are checked before the
+collective where the check is local (x, dy, mean, data_format, epsilon, num_threads), so a
+call refused on every rank leaves no rank waiting; a call refused on some ranks only leaves
+the others in the collective until the group's timeout, as with any collective.
+
+torch and mpi4py are optional: they are imported on the first call, never with the package.
+"""
+from ._pipeline import BackwardResult
+from ._twophase import backward_apply, backward_reduce
+from ._validate import check_choice, check_epsilon
+
+_TORCH_HINT = ("sync_batchnorm_backward needs PyTorch with torch.distributed: "
+               "pip install 'bnbw_native[torch]'")
+_MPI_HINT = ("sync_batchnorm_backward_mpi needs mpi4py and an MPI library: "
+             "pip install 'bnbw_native[mpi]' (with e.g. Open MPI: "
+             "apt-get install openmpi-bin libopenmpi-dev)")
+
+
+def _torch_distributed():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise ImportError(_TORCH_HINT) from exc
+    if not dist.is_available():
+        raise ImportError(_TORCH_HINT + " (this PyTorch build has no torch.distributed)")
+    return torch, dist
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(_MPI_HINT) from exc
+    return MPI
+
+
+def _local_checks(data_format, epsilon):
+    # What the apply phase would refuse after the collective, checked before it.
+    check_choice(data_format, "data_format", ("NXC", "NCX"))
+    check_epsilon(epsilon)
+
+
+def sync_batchnorm_backward(x, dy, mean, variance, gamma=None, *, epsilon, data_format="NXC",
+                            group=None, out=None, num_threads=None):
+    """Training backward of a batch norm whose batch is split over a torch.distributed group.
+
+    x, dy: this rank's rows (any of the array types and layouts of SPEC 3.1, DLPack producers
+    included); mean, variance: the GLOBAL batch statistics; gamma None means 1.
+    group: a torch.distributed process group (None: the default group), initialised by the
+    caller with a backend that reduces CPU tensors (gloo, or mpi).
+    Returns BackwardResult(diff_src for the local rows, diff_gamma, diff_beta of the whole
+    batch).  out and num_threads as in batchnorm_training_backward.
+    """
+    result, _ = _torch_sync(x, dy, mean, variance, gamma, epsilon=epsilon,
+                            data_format=data_format, group=group, out=out,
+                            num_threads=num_threads)
+    return result
+
+
+def _check_group(group):
+    """torch.distributed, checked ready for a collective over `group` (None: default)."""
+    torch, dist = _torch_distributed()
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group('gloo', ...) first")
+    if group is not None and dist.get_rank(group) < 0:
+        # torch would silently skip the collective on a non-member: refuse instead
+        raise ValueError("group: this process is not a member of the given process group")
+    return torch, dist
+
+
+def _torch_sync(x, dy, mean, variance, gamma, *, epsilon, data_format, group, out,
+                num_threads, keep_local=False):
+    """The torch.distributed path; also returns a copy of the local sums when keep_local
+    (the autograd layer derives DDP-style local parameter gradients from them)."""
+    torch, dist = _check_group(group)
+    _local_checks(data_format, epsilon)
+    partial, count = backward_reduce(x, dy, mean, data_format=data_format,
+                                     num_threads=num_threads)
+    local = partial.copy() if keep_local else None
+    counts = torch.tensor([count], dtype=torch.int64)
+    # Both collectives in flight at once; from_numpy shares partial's memory, so the sums
+    # land in place.
+    pending = [dist.all_reduce(torch.from_numpy(partial), group=group, async_op=True),
+               dist.all_reduce(counts, group=group, async_op=True)]
+    for work in pending:
+        work.wait()
+    result = backward_apply(x, dy, mean, variance, gamma, partial, int(counts[0]),
+                            epsilon=epsilon, data_format=data_format, out=out,
+                            num_threads=num_threads)
+    return result, local
+
+
+def sync_batchnorm_backward_mpi(x, dy, mean, variance, gamma=None, *, epsilon,
+                                data_format="NXC", comm=None, out=None, num_threads=None):
+    """sync_batchnorm_backward over an mpi4py communicator (None: MPI.COMM_WORLD).
+
+    The sums are all-reduced in place in the NumPy buffers (MPI.IN_PLACE); every rank of
+    `comm` must call.  Returns BackwardResult as sync_batchnorm_backward does.
+    """
+    import numpy as np
+
+    MPI = _mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    _local_checks(data_format, epsilon)
+    partial, count = backward_reduce(x, dy, mean, data_format=data_format,
+                                     num_threads=num_threads)
+    counts = np.array([count], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, partial, op=MPI.SUM)
+    comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    return backward_apply(x, dy, mean, variance, gamma, partial, int(counts[0]),
+                          epsilon=epsilon, data_format=data_format, out=out,
+                          num_threads=num_threads)
+
+
+__all__ = ["BackwardResult", "sync_batchnorm_backward", "sync_batchnorm_backward_mpi"]

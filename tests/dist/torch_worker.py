@@ -1,0 +1,69 @@
+"""One rank of tests/test_distributed.py: torch.distributed (gloo) on 127.0.0.1.
+
+    python torch_worker.py RANK WORLD DATA.npz OUT_DIR        (MASTER_ADDR, MASTER_PORT set)
+
+Reads the whole batch from DATA.npz, takes this rank's rows (bounds[rank]:bounds[rank + 1]),
+runs every case and saves the results to OUT_DIR/rank<RANK>.npz for the parent to check
+against single-process results.  Exits non-zero on any error; the parent's timeout catches
+hangs.
+"""
+import datetime
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bnbw_native.autograd import SyncBatchNorm
+from bnbw_native.distributed import sync_batchnorm_backward
+
+
+def main(rank, world, data_path, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    data = np.load(data_path)
+    lo, hi = data["bounds"][rank], data["bounds"][rank + 1]
+    x, dy = data["x"][lo:hi], data["dy"][lo:hi]                 # NXC: (n, H, W, C)
+    mean, var, gamma = data["mean"], data["var"], data["gamma"]
+    eps = float(data["eps"])
+    saved = {}
+
+    # NumPy arrays, channels last
+    res = sync_batchnorm_backward(x, dy, mean, var, gamma, epsilon=eps, num_threads=1)
+    saved.update(nxc_dx=res.diff_src, nxc_dgamma=res.diff_gamma, nxc_dbeta=res.diff_beta)
+
+    # torch tensors, channels first, outputs written into torch tensors (DLPack, no copy)
+    xt = torch.from_numpy(np.ascontiguousarray(np.moveaxis(x, -1, 1)))
+    dyt = torch.from_numpy(np.ascontiguousarray(np.moveaxis(dy, -1, 1)))
+    out = (torch.empty_like(xt), torch.empty(len(mean)), torch.empty(len(mean)))
+    res = sync_batchnorm_backward(xt, dyt, torch.from_numpy(mean), torch.from_numpy(var),
+                                  torch.from_numpy(gamma), epsilon=eps, data_format="NCX",
+                                  out=out, num_threads=1)
+    views = all(r.size == 0 or np.shares_memory(r, np.from_dlpack(o)) for r, o in zip(res, out))
+    saved.update(ncx_dx=out[0].numpy(), ncx_dgamma=out[1].numpy(), ncx_dbeta=out[2].numpy(),
+                 ncx_out_views=np.array(views))
+
+    # the SyncBatchNorm module, channels-first and channels-last input
+    for tag, fmt in (("mod_cf", torch.contiguous_format), ("mod_cl", torch.channels_last)):
+        layer = SyncBatchNorm(len(mean), eps=eps, num_threads=1)
+        with torch.no_grad():
+            layer.weight.copy_(torch.from_numpy(gamma))
+            layer.bias.copy_(torch.from_numpy(data["beta"]))
+        xin = xt.clone().contiguous(memory_format=fmt).requires_grad_()
+        y = layer(xin)
+        (y * dyt).sum().backward()          # the loss of the whole batch is the sum over ranks
+        saved.update({f"{tag}_y": y.detach().numpy(), f"{tag}_dx": xin.grad.numpy(),
+                      f"{tag}_dw": layer.weight.grad.numpy(),
+                      f"{tag}_db": layer.bias.grad.numpy(),
+                      f"{tag}_rm": layer.running_mean.numpy(),
+                      f"{tag}_rv": layer.running_var.numpy(),
+                      f"{tag}_dx_format": np.array(xin.grad.is_contiguous(memory_format=fmt))})
+
+    dist.barrier()
+    dist.destroy_process_group()
+    np.savez(f"{out_dir}/rank{rank}.npz", **saved)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
