@@ -47,6 +47,7 @@ ctypedef struct Plan:
     int64_t chan_stride[N_SLOTS]
     int64_t *chan_offset[N_SLOTS]
     # fixed reduction partition: never depends on the thread count
+    bint whole_rows          # channel-major blocks hold whole rows (rows no longer than BLOCK)
     int64_t block            # channel-major: elements per block; channel-last: rows per block
     int64_t nblocks
     int64_t group            # channel-last: channels per work item

@@ -105,6 +105,7 @@ cdef enum:
     BLOCK = 32768         # elements per reduction block
     MIN_BLOCK_ROWS = 16   # channel-last: lower bound on rows per block (bounds partial sums)
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
+    SWEEP_BELOW = 4096    # channel-major rows shorter than this are visited in memory order
 
 cdef inline int64_t itemsize(int dtype) noexcept nogil:
     return 4 if dtype == DT_F32 else 2
@@ -132,6 +133,7 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
 
     p.empty = False
     p.channel_last = False
+    p.whole_rows = False
     p.big_dtype = big_dtype
     p.stat_dtype = stat_dtype
     p.n_outer = 0
@@ -239,8 +241,11 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
             p.inner_size = rsize[nred - 1]
             for t in range(3):
                 p.inner_stride[t] = rstride[t][nred - 1]
-        p.block = BLOCK
-        p.nblocks = (M + BLOCK - 1) // BLOCK
+        # blocks of whole rows when rows are shorter than a block, so that rows can also be
+        # visited in memory order (sweep_block) without changing any sum
+        p.whole_rows = p.inner_size <= BLOCK
+        p.block = (BLOCK // p.inner_size) * p.inner_size if p.whole_rows else BLOCK
+        p.nblocks = (M + p.block - 1) // p.block
     for i in range(p.n_outer):
         p.outer_size[i] = rsize[i]
         for t in range(3):
@@ -369,19 +374,15 @@ cdef enum:
     DO_SCALE = 4     # frozen dx
 
 
-cdef void major_block(const Plan *p, const Operands *o, int64_t c, int64_t b, int what,
-                      float *tiles, double *sums) noexcept nogil:
-    """Channel-major item (channel c, block b): the reduced elements [b*BLOCK, +BLOCK)."""
-    cdef int64_t lo = b * p.block
-    cdef int64_t hi = imin(lo + p.block, p.count)
-    cdef int64_t L = p.inner_size
-    cdef int64_t row = lo // L
-    cdef int64_t col = lo - row * L
-    cdef int64_t pos = lo, n, seg_end
-    cdef int64_t off[3]
+cdef void row_span(const Plan *p, const Operands *o, int64_t c, const int64_t *off,
+                   int64_t col, int64_t end, int what, float *tiles,
+                   double *sums) noexcept nogil:
+    """Columns [col, end) of one channel-major row (channel c, row origin `off`), cut at TILE
+    boundaries counted from the row start, the same cuts for every layout and schedule."""
+    cdef int64_t n, seg_end
     cdef int64_t sx = p.inner_stride[0], sg = p.inner_stride[1], sd = p.inner_stride[2]
-    cdef const char *cx = o.x + chan_origin(p, SLOT_X, c)
-    cdef const char *cg = o.dy + chan_origin(p, SLOT_DY, c)
+    cdef const char *cx = o.x + chan_origin(p, SLOT_X, c) + off[0]
+    cdef const char *cg = o.dy + chan_origin(p, SLOT_DY, c) + off[1]
     cdef char *cd = NULL
     cdef const float *xs = NULL
     cdef const float *gs
@@ -390,34 +391,69 @@ cdef void major_block(const Plan *p, const Operands *o, int64_t c, int64_t b, in
     cdef float mean = o.mean[c]
     cdef int dt = p.big_dtype
     if what & (DO_APPLY | DO_SCALE):
-        cd = o.dx + chan_origin(p, SLOT_DX, c)
+        cd = o.dx + chan_origin(p, SLOT_DX, c) + off[2]
+    while col < end:
+        seg_end = imin((col // TILE + 1) * TILE, end)
+        n = seg_end - col
+        gs = load_row(cg + col * sg, dt, sg, n, tiles + TILE)
+        if what & (DO_REDUCE | DO_APPLY):
+            xs = load_row(cx + col * sx, dt, sx, n, tiles)
+        if what & DO_REDUCE:
+            bnbw_reduce_row(xs, gs, n, mean, part)
+            sums[0] += part[0]
+            sums[1] += part[1]
+        if what & (DO_APPLY | DO_SCALE):
+            ds = row_target(cd + col * sd, dt, sd, tiles + 2 * TILE)
+            if what & DO_APPLY:
+                bnbw_apply_row(xs, gs, ds, n, mean, o.k1[c], o.k2[c], o.k3[c])
+            else:
+                bnbw_scale_row(gs, ds, n, o.k1[c])
+            store_row(ds, n, cd + col * sd, dt, sd)
+        col = seg_end
+
+
+cdef void major_block(const Plan *p, const Operands *o, int64_t c, int64_t b, int what,
+                      float *tiles, double *sums) noexcept nogil:
+    """Channel-major item (channel c, block b): the reduced elements [b*block, +block)."""
+    cdef int64_t lo = b * p.block
+    cdef int64_t hi = imin(lo + p.block, p.count)
+    cdef int64_t L = p.inner_size
+    cdef int64_t row = lo // L
+    cdef int64_t col = lo - row * L
+    cdef int64_t pos = lo, end
+    cdef int64_t off[3]
     if what & DO_REDUCE:
         sums[0] = 0.0
         sums[1] = 0.0
     while pos < hi:
         row_origin(p, row, off)
-        while col < L and pos < hi:
-            # cut at TILE boundaries counted from the row start, the same for every layout
-            seg_end = imin(imin((col // TILE + 1) * TILE, L), col + hi - pos)
-            n = seg_end - col
-            gs = load_row(cg + off[1] + col * sg, dt, sg, n, tiles + TILE)
-            if what & (DO_REDUCE | DO_APPLY):
-                xs = load_row(cx + off[0] + col * sx, dt, sx, n, tiles)
-            if what & DO_REDUCE:
-                bnbw_reduce_row(xs, gs, n, mean, part)
-                sums[0] += part[0]
-                sums[1] += part[1]
-            if what & (DO_APPLY | DO_SCALE):
-                ds = row_target(cd + off[2] + col * sd, dt, sd, tiles + 2 * TILE)
-                if what & DO_APPLY:
-                    bnbw_apply_row(xs, gs, ds, n, mean, o.k1[c], o.k2[c], o.k3[c])
-                else:
-                    bnbw_scale_row(gs, ds, n, o.k1[c])
-                store_row(ds, n, cd + off[2] + col * sd, dt, sd)
-            col = seg_end
-            pos += n
+        end = imin(L, col + hi - pos)
+        row_span(p, o, c, off, col, end, what, tiles, sums)
+        pos += end - col
         row += 1
         col = 0
+
+
+cdef void sweep_block(const Plan *p, const Operands *o, int64_t b, int64_t c_lo, int64_t c_hi,
+                      int what, float *tiles, double *partial) noexcept nogil:
+    """Channel-major in memory order: the rows of block b (whole rows: p.whole_rows), each for
+    channels c_lo..c_hi in turn.  NCX rows of one n and consecutive channels are adjacent, so
+    this streams through memory where a channel at a time jumps a page per short row.  The
+    block sum of channel c, partial[2*(c*nblocks + b)], adds the same rows in the same order as
+    major_block(c, b)."""
+    cdef int64_t k = p.block // p.inner_size
+    cdef int64_t row, c, r_end = imin((b + 1) * k, p.count // p.inner_size)
+    cdef int64_t off[3]
+    cdef double *sums
+    if what & DO_REDUCE:
+        for c in range(c_lo, c_hi):
+            partial[2 * (c * p.nblocks + b)] = 0.0
+            partial[2 * (c * p.nblocks + b) + 1] = 0.0
+    for row in range(b * k, r_end):
+        row_origin(p, row, off)
+        for c in range(c_lo, c_hi):
+            sums = partial + 2 * (c * p.nblocks + b) if partial != NULL else NULL
+            row_span(p, o, c, off, 0, p.inner_size, what, tiles, sums)
 
 
 cdef inline const float *stage_rows(const Plan *p, const char *base, int t, int64_t r0,
@@ -574,8 +610,8 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
         n_items = C * p.nblocks
     if nt > n_items:
         nt = <int> n_items if n_items > 0 else 1
-    fused = (not p.channel_last and need_sums and write_dx and op & OP_TRAINING
-             and C >= 2 * nt)
+    fused = (not p.channel_last and not _sweeps(p) and need_sums and write_dx
+             and op & OP_TRAINING and C >= 2 * nt)
     if want_coef and (not (op & OP_TRAINING) or not need_sums):
         # frozen statistics (or given sums): the constants are known before any pass
         _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
@@ -607,12 +643,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
                            tiles + bnbw_omp_thread_num() * 3 * TILE, my_sums,
                            my_sums + C if my_sums != NULL else NULL)
         elif what:
-            for i in prange(n_items, num_threads=nt, schedule='dynamic'):
-                my_sums = NULL
-                if partial != NULL:
-                    my_sums = partial + 2 * i
-                major_block(p, &o, i // p.nblocks, i % p.nblocks, what,
-                            tiles + bnbw_omp_thread_num() * 3 * TILE, my_sums)
+            _major_pass(p, &o, what, tiles, partial, nt)
         if need_sums and not fused:
             # combine the block sums of each channel in block order
             for c in prange(C, num_threads=nt, schedule='static'):
@@ -635,9 +666,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
                     last_block(p, &o, i // p.ngroups, i % p.ngroups, DO_APPLY,
                                tiles + bnbw_omp_thread_num() * 3 * TILE, NULL, NULL)
             else:
-                for i in prange(n_items, num_threads=nt, schedule='dynamic'):
-                    major_block(p, &o, i // p.nblocks, i % p.nblocks, DO_APPLY,
-                                tiles + bnbw_omp_thread_num() * 3 * TILE, NULL)
+                _major_pass(p, &o, DO_APPLY, tiles, NULL, nt)
     elif rc == 0 and want_coef and op & OP_TRAINING and need_sums:
         _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)   # M == 0
 
@@ -655,6 +684,30 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     free(stats)
     free(sums)
     return rc
+
+
+cdef inline bint _sweeps(const Plan *p) noexcept nogil:
+    """Channel-major passes in memory order: rows short enough that visiting a channel at a
+    time would jump a page every few hundred bytes."""
+    return p.whole_rows and p.inner_size < SWEEP_BELOW
+
+
+cdef void _major_pass(const Plan *p, const Operands *o, int what, float *tiles,
+                      double *partial, int nt) noexcept nogil:
+    """One channel-major pass over every (channel, block); block sums go to partial."""
+    cdef int64_t i, C = p.channels
+    cdef int64_t group = (C + 4 * nt - 1) // (4 * nt)      # about 4 items per thread
+    cdef int64_t ngroups = (C + group - 1) // group
+    if _sweeps(p):
+        for i in prange(p.nblocks * ngroups, num_threads=nt, schedule='dynamic'):
+            sweep_block(p, o, i // ngroups, (i % ngroups) * group,
+                        imin(C, (i % ngroups + 1) * group), what,
+                        tiles + bnbw_omp_thread_num() * 3 * TILE, partial)
+    else:
+        for i in prange(C * p.nblocks, num_threads=nt, schedule='dynamic'):
+            major_block(p, o, i // p.nblocks, i % p.nblocks, what,
+                        tiles + bnbw_omp_thread_num() * 3 * TILE,
+                        partial + 2 * i if partial != NULL else NULL)
 
 
 cdef void _channel_coefficients(const Plan *p, char **ptr, int op, double eps, double count,

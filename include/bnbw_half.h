@@ -218,6 +218,7 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__load_f16_f16c(const char *src, int64_t
                             _mm256_and_si256(_mm256_slli_epi32(h32, 13), fix));
         _mm256_storeu_si256((__m256i *)(void *)(dst + i), f);
     }
+    _mm256_zeroupper();   /* gcc 12 omits it here: SSE code after dirty AVX state stalls */
     bnbw__load_f16_portable(src + 2 * i, n - i, dst + i);
 }
 
@@ -244,6 +245,7 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__store_f16_f16c(const float *src, int64
         }
         _mm_storeu_si128((__m128i *)(void *)(dst + 2 * i), h);
     }
+    _mm256_zeroupper();   /* gcc 12 omits it here: SSE code after dirty AVX state stalls */
     bnbw__store_f16_portable(src + i, n - i, dst + 2 * i);
 }
 
@@ -255,6 +257,7 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__load_bf16_avx2(const char *src, int64_
         __m256i f = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
         _mm256_storeu_si256((__m256i *)(void *)(dst + i), f);
     }
+    _mm256_zeroupper();   /* gcc 12 omits it here: SSE code after dirty AVX state stalls */
     bnbw__load_bf16_portable(src + 2 * i, n - i, dst + i);
 }
 
@@ -281,6 +284,7 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int6
         __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
         _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * i), h);
     }
+    _mm256_zeroupper();   /* gcc 12 omits it here: SSE code after dirty AVX state stalls */
     bnbw__store_bf16_portable(src + i, n - i, dst + 2 * i);
 }
 

@@ -111,6 +111,10 @@ bnbw_reduce_row_avx2(const float *x, const float *dy, int64_t n, float mean, dou
     _mm256_storeu_pd(sg + 8, g2); _mm256_storeu_pd(sg + 12, g3);
     _mm256_storeu_pd(sxg, p0); _mm256_storeu_pd(sxg + 4, p1);
     _mm256_storeu_pd(sxg + 8, p2); _mm256_storeu_pd(sxg + 12, p3);
+    /* gcc 12 emits no vzeroupper before calling (or returning to) baseline code from a
+     * target("avx2") function; SSE instructions after dirty upper halves run several times
+     * slower on Skylake-class cores, so clear them explicitly. */
+    _mm256_zeroupper();
     bnbw_reduce_row_finish(x, dy, i, n, mean, sg, sxg, out);
 }
 
@@ -179,30 +183,39 @@ static void bnbw_reduce_rows_portable(const float *x, int64_t x_row, const float
 }
 
 #ifdef BNBW_HAVE_AVX2_REDUCE
+/* Rows go four at a time: for each run of 16 channels the sums are loaded, the four rows
+ * added in row order and the sums stored back.  Walking all rows per channel run instead
+ * would visit addresses a row stride apart, which for power-of-two strides all fall into one
+ * L1 set and thrash it. */
+#define BNBW_ROW_GROUP 4
+
 __attribute__((target("avx2"))) static void
 bnbw_reduce_rows_avx2(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
                       int64_t rows, int64_t n, const float *mean, double *sum_g,
                       double *sum_xg)
 {
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-        __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
-        __m256d g2 = _mm256_loadu_pd(sum_g + c + 8), g3 = _mm256_loadu_pd(sum_g + c + 12);
-        __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
-        __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
-        const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
-        const float *xr = x + c, *gr = dy + c;
-        for (int64_t r = 0; r < rows; ++r, xr += x_row, gr += dy_row) {
-            BNBW_ACCUMULATE16(gr, xr, ma, mb);
+    int64_t n16 = n - n % 16;
+    for (int64_t r = 0; r < rows; r += BNBW_ROW_GROUP) {
+        int64_t nr = rows - r < BNBW_ROW_GROUP ? rows - r : BNBW_ROW_GROUP;
+        const float *xr0 = x + r * x_row, *gr0 = dy + r * dy_row;
+        for (int64_t c = 0; c < n16; c += 16) {
+            __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
+            __m256d g2 = _mm256_loadu_pd(sum_g + c + 8), g3 = _mm256_loadu_pd(sum_g + c + 12);
+            __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
+            __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
+            const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
+            for (int64_t j = 0; j < nr; ++j)
+                BNBW_ACCUMULATE16(gr0 + j * dy_row + c, xr0 + j * x_row + c, ma, mb);
+            _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
+            _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
+            _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
+            _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
         }
-        _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
-        _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
-        _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
-        _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
     }
-    if (c < n)
-        bnbw_reduce_rows_portable(x + c, x_row, dy + c, dy_row, rows, n - c, mean + c,
-                                  sum_g + c, sum_xg + c);
+    _mm256_zeroupper();                       /* see bnbw_reduce_row_avx2 */
+    if (n16 < n)
+        bnbw_reduce_rows_portable(x + n16, x_row, dy + n16, dy_row, rows, n - n16, mean + n16,
+                                  sum_g + n16, sum_xg + n16);
 }
 #endif
 
