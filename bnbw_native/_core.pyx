@@ -56,7 +56,7 @@ cdef extern from "bnbw_half.h" nogil:
     bnbw_bf16 bnbw_f64_to_bf16(double d)
     void bnbw_load_f32(const char *src, int64_t stride, int64_t n, float *dst)
     void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t stride)
-    void bnbw_load_f16(const char *src, int64_t stride, int64_t n, float *dst)
+    void bnbw_load_f16_arith(const char *src, int64_t stride, int64_t n, float *dst)
     void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t stride)
     void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst)
     void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride)
@@ -304,7 +304,7 @@ cdef inline const float *load_row(const char *src, int dtype, int64_t stride, in
             return <const float *> src
         bnbw_load_f32(src, stride, n, tile)
     elif dtype == DT_F16:
-        bnbw_load_f16(src, stride, n, tile)
+        bnbw_load_f16_arith(src, stride, n, tile)
     else:
         bnbw_load_bf16(src, stride, n, tile)
     return tile
