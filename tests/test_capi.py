@@ -19,10 +19,7 @@ try:
 except ImportError:
     ml_dtypes = None
 
-try:
-    from bnbw_native.reference import backward as reference_backward
-except ImportError:      # the package reference is not there yet: the same formulas, here
-    reference_backward = None
+from bnbw_native.reference import backward as BACKWARD
 
 ROOT = Path(__file__).resolve().parents[1]
 INCLUDE = ROOT / "include"
@@ -35,26 +32,6 @@ OPERATOR = {"frozen": 1, "training": 2}                          # bnbw_operator
 STATUS = {"OK": 0, "NULL_POINTER": 1, "DATA_TYPE": 2, "DIMENSION_COUNT": 3, "SIZES": 4,
           "STRIDES": 5, "TOTAL_SIZE": 6, "OVERLAP": 7, "EPSILON": 8, "NUM_THREADS": 9,
           "ALIGNMENT": 10, "OPERATOR_TYPE": 11, "OUT_OF_MEMORY": 12}
-
-
-def local_backward(x, dy, mean, variance, scale=None, *, epsilon, reduce_axes,
-                   formula="training", count=None):
-    """SPEC 1 in float64, statistics keepdims-shaped."""
-    x, dy, mean, variance = (np.asarray(a, np.float64) for a in (x, dy, mean, variance))
-    gamma = 1.0 if scale is None else np.asarray(scale, np.float64)
-    axes = tuple(reduce_axes)
-    m = count if count is not None else int(np.prod([x.shape[a] for a in axes]))
-    r = 1.0 / np.sqrt(variance + epsilon)
-    dbias = dy.sum(axis=axes, keepdims=True)
-    dscale = r * ((x - mean) * dy).sum(axis=axes, keepdims=True)
-    if formula == "frozen":
-        dx = gamma * r * dy
-    else:
-        dx = gamma * r * (dy - dbias / m - (x - mean) * r * dscale / m)
-    return dx, dscale, dbias
-
-
-BACKWARD = reference_backward or local_backward
 
 
 def c_compiler():
