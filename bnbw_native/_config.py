@@ -4,6 +4,7 @@ The package default starts as None, meaning "what OpenMP would use now", read at
 that ``threadpoolctl.threadpool_limits`` (which sets OpenMP's max threads) is honoured.
 """
 import numbers
+import os
 import sys
 
 import numpy as np
@@ -13,6 +14,18 @@ from . import _core
 __version__ = "0.1.0"
 
 _default_threads = None
+_forked_child = False
+
+
+def _after_fork_in_child():
+    # libgomp's thread pool does not survive fork(): a team of 2+ in the child hangs forever.
+    # Results never depend on the thread count, so a forked child simply runs serial.
+    global _forked_child
+    _forked_child = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # More threads than this buys nothing on any machine this runs on and risks exhausting the
 # process: requests above it are clipped (results never depend on the thread count anyway).
@@ -46,6 +59,8 @@ def get_num_threads():
 
 def resolve_threads(num_threads):
     """The thread count for one call (already validated by check_num_threads)."""
+    if _forked_child:
+        return 1
     n = get_num_threads() if num_threads is None else num_threads
     return min(n, MAX_THREADS)
 

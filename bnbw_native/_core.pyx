@@ -104,6 +104,7 @@ cdef enum:
     TILE = 2048           # elements per staged row segment (3 tiles per thread: 24 KiB)
     BLOCK = 32768         # elements per reduction block
     MIN_BLOCK_ROWS = 16   # channel-last: lower bound on rows per block (bounds partial sums)
+    MAX_LAST_BLOCKS = 32  # channel-last: upper bound on blocks (partial sums <= 512 B/channel)
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
     SWEEP_BELOW = 1024    # channel-major rows shorter than this are visited in memory order
                           # (56x56 rows: a channel at a time, fused, is faster; 14x14: sweep)
@@ -232,7 +233,11 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
         p.inner_size = C
         for t in range(3):
             p.inner_stride[t] = isz
+        # rows per block: at least BLOCK elements' worth, and few enough blocks that the
+        # per-block sums (2 doubles per channel per block) stay a small fraction of the input
         p.block = BLOCK // C if BLOCK // C > MIN_BLOCK_ROWS else MIN_BLOCK_ROWS
+        if p.block < (M + MAX_LAST_BLOCKS - 1) // MAX_LAST_BLOCKS:
+            p.block = (M + MAX_LAST_BLOCKS - 1) // MAX_LAST_BLOCKS
         p.nblocks = (M + p.block - 1) // p.block
         p.group = TILE
         p.ngroups = (C + TILE - 1) // TILE

@@ -165,7 +165,11 @@ def array_backward(names, x, dy, mean, var, scale, *, epsilon, data_format, form
 def check_partial(partial, count, C, shape, axis):
     """The global sums of the two-phase API: (2, C) float64, and an int count."""
     import numbers
-    arr = np.asarray(partial) if partial is not None else None
+    try:
+        arr = np.asarray(partial) if partial is not None else None
+    except (ValueError, TypeError) as exc:      # ragged nested sequences
+        raise TypeError(f"partial must be a float64 array of shape (2, C) from "
+                        f"backward_reduce ({exc})") from None
     if arr is None or arr.dtype != np.float64:
         raise TypeError("partial must be a float64 array of shape (2, C) from backward_reduce")
     if arr.shape != (2, C):
@@ -175,6 +179,8 @@ def check_partial(partial, count, C, shape, axis):
     local = 1
     for d, size in enumerate(shape):
         local *= size if d != axis else 1
+    if count >= 2 ** 63:
+        raise ValueError(f"count must be below 2**63, got {count}")
     if count < local:
         raise ValueError(f"count must be at least the local element count per channel "
                          f"({local}), got {count}")

@@ -89,13 +89,15 @@ def test_apply_takes_a_count_past_2_32():
 
 # ---- the front-ends without a running group ------------------------------------------------
 
-def test_package_import_loads_neither_torch_nor_mpi4py():
+def test_package_import_loads_neither_torch_nor_mpi4py(tmp_path):
     code = ("import sys, bnbw_native, bnbw_native.distributed; "
             "bad = [m for m in ('torch', 'mpi4py') if m in sys.modules]; "
             "assert not bad, bad")
     env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
+    # run outside the checkout: `python -c` puts the working directory first on sys.path,
+    # where the unbuilt source tree would shadow the installed package
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
 
 
