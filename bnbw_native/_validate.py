@@ -3,7 +3,9 @@
 Front-ends pass their own argument names, so a message always names the argument as the
 caller wrote it.  Nothing here writes to any array: a refused call leaves outputs untouched.
 """
+import math
 import numbers
+import struct
 
 import numpy as np
 
@@ -83,6 +85,9 @@ def check_vector(arr, name, length):
                          f"got shape {arr.shape}")
 
 
+_F32 = struct.Struct("f")     # packing a float rounds it to f32 (nearest-even), as the ops do
+
+
 def check_epsilon(value, name="epsilon"):
     """The f32 epsilon as a Python float: a real number, finite and > 0 once in f32."""
     if isinstance(value, np.ndarray) and value.ndim == 0:
@@ -90,14 +95,13 @@ def check_epsilon(value, name="epsilon"):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            as_f32 = np.float32(value)
-    except (OverflowError, ValueError):
-        as_f32 = np.float32(np.inf)
-    if not (np.isfinite(as_f32) and as_f32 > 0):
+        as_f32 = _F32.unpack(_F32.pack(float(value)))[0]
+    except (OverflowError, ValueError):    # beyond the f32 range
+        as_f32 = math.inf
+    if not (math.isfinite(as_f32) and as_f32 > 0):
         raise ValueError(f"{name} must be finite and > 0 after conversion to float32, "
                          f"got {value!r}")
-    return float(as_f32)
+    return as_f32
 
 
 def check_choice(value, name, choices):
