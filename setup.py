@@ -1,15 +1,14 @@
 """Build the native core of bnbw_native.
 
-The extension modules are plain Cython + C.  Two build-time probes decide the flags:
+The extension modules are plain Cython + C.  A build-time probe and one rule decide the flags:
 
 * OpenMP: compile *and run* a tiny OpenMP program.  If that works the kernels are built with
   ``-fopenmp`` (runtime linked dynamically, so threadpoolctl can see and limit it).  If it does
   not, the build warns and goes on serial, unless ``BNBW_REQUIRE_OPENMP=1`` asks for a hard
   failure instead.
-* Function multiversioning: the hot loops carry ``target_clones("arch=x86-64-v3", "default")``
-  so one wheel runs everywhere yet uses AVX2+FMA+F16C where the CPU has them.  No
-  ``-march=native`` ever reaches what users install.  ``BNBW_NATIVE_ARCH=1`` adds it for
-  local experiments only.
+* No ``-march=native``: the kernels carry AVX2+FMA+F16C bodies (``target`` attributes) picked at
+  run time with ``__builtin_cpu_supports``, next to portable ones, so one wheel runs everywhere.
+  ``BNBW_NATIVE_ARCH=1`` adds the flag for local experiments only.
 """
 import os
 import subprocess
@@ -37,15 +36,6 @@ OPENMP_PROBE = textwrap.dedent(
     }
     """
 )
-
-CLONES_PROBE = textwrap.dedent(
-    """
-    __attribute__((target_clones("arch=x86-64-v3", "default")))
-    int twice(int x) { return 2 * x; }
-    int main(void) { return twice(0); }
-    """
-)
-
 
 def _compiler():
     return os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
@@ -82,8 +72,6 @@ def openmp_flags():
 
 def compile_flags():
     flags = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-Wno-unused-function"]
-    if _compile_and_run(CLONES_PROBE, []):
-        flags.append("-DBNBW_HAVE_TARGET_CLONES=1")
     if os.environ.get("BNBW_NATIVE_ARCH") == "1":
         flags.append("-march=native")
     extra = os.environ.get("BNBW_EXTRA_CFLAGS")

@@ -78,8 +78,7 @@ def show_config(file=None):
         f"  OpenMP:           {'on, version ' + str(omp) if omp else 'off (serial build)'}",
         f"  threads:          {get_num_threads()} (default "
         f"{'OpenMP' if _default_threads is None else _default_threads})",
-        f"  multiversioning:  {info['multiversioning']}",
-        f"  reduction kernel: {info['reduce_path']}",
+        f"  kernels:          {info['kernels']}",
         f"  half conversion:  {info['half_path']}",
     ]
     print("\n".join(lines), file=file)

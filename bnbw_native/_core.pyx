@@ -13,10 +13,11 @@ for the elementwise pass.
 
 Layers: a plan (built once from sizes, strides and the reduced-dims mask, with no Python
 object involved, so C callers can build one too) -> partitioned work items run under
-`prange` with the GIL released -> the contiguous f32 row kernels of bnbw_kernels.h.  Half
-precision and strided rows are staged through per-thread f32 tiles of TILE elements; f32 rows
-with unit stride are used in place.  Rows are always cut at the same TILE boundaries, so the
-staging never changes the arithmetic.
+`prange` with the GIL released -> the row kernels of bnbw_kernels.h.  Unit-stride rows go to
+the kernels as they are, in f32, f16 or bf16 (halves are converted in registers); strided rows,
+and halves on CPUs without the AVX2 kernels, are staged through per-thread f32 tiles of TILE
+elements.  Rows are always cut at the same TILE boundaries, so the staging never changes the
+arithmetic.
 
 Plans.  Size-1 dims are dropped, reduced dims with negative strides (in x, dy and dx alike)
 are flipped, sorted outermost-first by x's stride and merged where all three tensors allow.
@@ -61,21 +62,24 @@ cdef extern from "bnbw_half.h" nogil:
     void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst)
     void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride)
     const char *bnbw_half_simd_path()
+    void bnbw_half_force_portable(int on)
 
 cdef extern from "bnbw_kernels.h" nogil:
-    void bnbw_reduce_row(const float *x, const float *dy, int64_t n, float mean, double *out)
-    void bnbw_apply_row(const float *x, const float *dy, float *dx, int64_t n,
-                        float mean, float k1, float k2, float k3)
-    void bnbw_scale_row(const float *dy, float *dx, int64_t n, float k1)
-    void bnbw_apply_rows(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
-                         float *dx, int64_t dx_row, int64_t rows, int64_t n, const float *mean,
-                         const float *k1, const float *k2, const float *k3)
-    void bnbw_scale_rows(const float *dy, int64_t dy_row, float *dx, int64_t dx_row,
-                         int64_t rows, int64_t n, const float *k1)
-    void bnbw_reduce_rows(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
+    void bnbw_reduce_row(const void *x, const void *dy, int64_t n, float mean, double *out,
+                         int dt)
+    void bnbw_apply_row(const void *x, const void *dy, void *dx, int64_t n, float mean,
+                        float k1, float k2, float k3, int dt)
+    void bnbw_scale_row(const void *dy, void *dx, int64_t n, float k1, int dt)
+    void bnbw_reduce_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
                           int64_t rows, int64_t n, const float *mean, double *sum_g,
-                          double *sum_xg)
-    int bnbw_cpu_has_avx2()
+                          double *sum_xg, int dt)
+    void bnbw_apply_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
+                         void *dx, int64_t dx_row, int64_t rows, int64_t n, const float *mean,
+                         const float *k1, const float *k2, const float *k3, int dt)
+    void bnbw_scale_rows(const void *dy, int64_t dy_row, void *dx, int64_t dx_row,
+                         int64_t rows, int64_t n, const float *k1, int dt)
+    int bnbw_kernels_take(int dt)
+    int bnbw_avx2_kernels()
 
 cdef extern from *:
     """
@@ -89,16 +93,10 @@ cdef extern from *:
     static int bnbw_omp_thread_num(void) { return 0; }
     static int bnbw_openmp_version(void) { return 0; }
     #endif
-    #if defined(BNBW_HAVE_TARGET_CLONES)
-    static const char *bnbw_clones(void) { return "target_clones(x86-64-v3, default)"; }
-    #else
-    static const char *bnbw_clones(void) { return "baseline only"; }
-    #endif
     """
     int bnbw_omp_max_threads() nogil
     int bnbw_omp_thread_num() nogil
     int bnbw_openmp_version() nogil
-    const char *bnbw_clones() nogil
 
 cdef enum:
     TILE = 2048           # elements per staged row segment (3 tiles per thread: 24 KiB)
@@ -298,35 +296,52 @@ cdef inline void row_origin(const Plan *p, int64_t row, int64_t *off) noexcept n
         row = q
 
 
+ctypedef struct Operands:
+    char *x
+    char *dy
+    char *dx
+    float *mean      # [C] gathered statistics and coefficients, f32
+    float *k1
+    float *k2
+    float *k3
+    int dtype        # storage type of x, dy, dx
+    bint direct      # the kernels read and write x, dy, dx where they are, in their own type
+    int kdt          # what the kernels are told the rows hold: dtype when direct, else f32
+
+
 # ---------------------------------------------------------------------------------------
-# Staging: f32 unit-stride rows are used in place, everything else goes through a tile
+# Staging: rows the kernels take as they are (o.direct, or unit-stride f32) are used in
+# place; everything else is converted through a per-thread f32 tile
 # ---------------------------------------------------------------------------------------
 
-cdef inline const float *load_row(const char *src, int dtype, int64_t stride, int64_t n,
-                                  float *tile) noexcept nogil:
-    if dtype == DT_F32:
-        if stride == 4:
-            return <const float *> src
+cdef inline const char *load_row(const Operands *o, const char *src, int64_t stride, int64_t n,
+                                 float *tile) noexcept nogil:
+    if o.direct or (o.dtype == DT_F32 and stride == 4):
+        return src
+    if o.dtype == DT_F32:
         bnbw_load_f32(src, stride, n, tile)
-    elif dtype == DT_F16:
+    elif o.dtype == DT_F16:
         bnbw_load_f16_arith(src, stride, n, tile)
     else:
         bnbw_load_bf16(src, stride, n, tile)
-    return tile
+    return <const char *> tile
 
 
-cdef inline float *row_target(char *dst, int dtype, int64_t stride, float *tile) noexcept nogil:
-    if dtype == DT_F32 and stride == 4:
-        return <float *> dst
-    return tile
+cdef inline char *row_target(const Operands *o, char *dst, int64_t stride,
+                             float *tile) noexcept nogil:
+    if o.direct or (o.dtype == DT_F32 and stride == 4):
+        return dst
+    return <char *> tile
 
 
-cdef inline void store_row(const float *src, int64_t n, char *dst, int dtype,
+cdef inline void store_row(const Operands *o, const float *src, int64_t n, char *dst,
                            int64_t stride) noexcept nogil:
-    if dtype == DT_F32:
-        if stride != 4:
-            bnbw_store_f32(src, n, dst, stride)
-    elif dtype == DT_F16:
+    """Writes back a row that row_target put in a tile."""
+    if <const char *> src == dst:
+        return
+    if o.dtype == DT_F32:
+        bnbw_store_f32(src, n, dst, stride)
+    elif o.dtype == DT_F16:
         bnbw_store_f16(src, n, dst, stride)
     else:
         bnbw_store_bf16(src, n, dst, stride)
@@ -365,15 +380,6 @@ cdef inline void store_stat(char *base, int dtype, int64_t offset, double v) noe
 # Work items
 # ---------------------------------------------------------------------------------------
 
-ctypedef struct Operands:
-    char *x
-    char *dy
-    char *dx
-    float *mean      # [C] gathered statistics and coefficients, f32
-    float *k1
-    float *k2
-    float *k3
-
 cdef enum:
     DO_REDUCE = 1
     DO_APPLY = 2     # training dx
@@ -390,31 +396,30 @@ cdef void row_span(const Plan *p, const Operands *o, int64_t c, const int64_t *o
     cdef const char *cx = o.x + chan_origin(p, SLOT_X, c) + off[0]
     cdef const char *cg = o.dy + chan_origin(p, SLOT_DY, c) + off[1]
     cdef char *cd = NULL
-    cdef const float *xs = NULL
-    cdef const float *gs
-    cdef float *ds
+    cdef const char *xs = NULL
+    cdef const char *gs
+    cdef char *ds
     cdef double part[2]
     cdef float mean = o.mean[c]
-    cdef int dt = p.big_dtype
     if what & (DO_APPLY | DO_SCALE):
         cd = o.dx + chan_origin(p, SLOT_DX, c) + off[2]
     while col < end:
         seg_end = imin((col // TILE + 1) * TILE, end)
         n = seg_end - col
-        gs = load_row(cg + col * sg, dt, sg, n, tiles + TILE)
+        gs = load_row(o, cg + col * sg, sg, n, tiles + TILE)
         if what & (DO_REDUCE | DO_APPLY):
-            xs = load_row(cx + col * sx, dt, sx, n, tiles)
+            xs = load_row(o, cx + col * sx, sx, n, tiles)
         if what & DO_REDUCE:
-            bnbw_reduce_row(xs, gs, n, mean, part)
+            bnbw_reduce_row(xs, gs, n, mean, part, o.kdt)
             sums[0] += part[0]
             sums[1] += part[1]
         if what & (DO_APPLY | DO_SCALE):
-            ds = row_target(cd + col * sd, dt, sd, tiles + 2 * TILE)
+            ds = row_target(o, cd + col * sd, sd, tiles + 2 * TILE)
             if what & DO_APPLY:
-                bnbw_apply_row(xs, gs, ds, n, mean, o.k1[c], o.k2[c], o.k3[c])
+                bnbw_apply_row(xs, gs, ds, n, mean, o.k1[c], o.k2[c], o.k3[c], o.kdt)
             else:
-                bnbw_scale_row(gs, ds, n, o.k1[c])
-            store_row(ds, n, cd + col * sd, dt, sd)
+                bnbw_scale_row(gs, ds, n, o.k1[c], o.kdt)
+            store_row(o, <const float *> ds, n, cd + col * sd, sd)
         col = seg_end
 
 
@@ -462,84 +467,85 @@ cdef void sweep_block(const Plan *p, const Operands *o, int64_t b, int64_t c_lo,
             row_span(p, o, c, off, 0, p.inner_size, what, tiles, sums)
 
 
-cdef inline const float *stage_rows(const Plan *p, const char *base, int t, int64_t r0,
-                                    int64_t nr, int64_t c0, int64_t w, bint direct,
-                                    float *tile, int64_t *row_stride) noexcept nogil:
-    """Rows r0..r0+nr of channels c0..c0+w of operand t, as f32 rows `row_stride` floats
-    apart: in place when `direct`, else gathered (and converted) into `tile`."""
+cdef inline const char *stage_rows(const Plan *p, const Operands *o, const char *base, int t,
+                                   int64_t r0, int64_t nr, int64_t c0, int64_t w, float *tile,
+                                   int64_t *row_stride) noexcept nogil:
+    """Rows r0..r0+nr of channels c0..c0+w of operand t, `row_stride` elements apart: in
+    place when o.direct, else gathered (and converted) into `tile` as f32."""
     cdef int64_t off[3]
     cdef int64_t isz = itemsize(p.big_dtype), i
     row_origin(p, r0, off)
-    if direct:
-        row_stride[0] = p.outer_stride[t][0] // 4 if p.n_outer == 1 else w
-        return <const float *> (base + off[t]) + c0
+    if o.direct:
+        row_stride[0] = p.outer_stride[t][0] // isz if p.n_outer == 1 else w
+        return base + off[t] + c0 * isz
     row_stride[0] = w
     if p.n_outer == 1 and p.outer_stride[t][0] == w * isz:
-        return load_row(base + off[t] + c0 * isz, p.big_dtype, isz, nr * w, tile)   # packed
+        return load_row(o, base + off[t] + c0 * isz, isz, nr * w, tile)   # packed
     for i in range(nr):
         if i:
             row_origin(p, r0 + i, off)
-        load_row(base + off[t] + c0 * isz, p.big_dtype, isz, w, tile + i * w)
-    return tile
+        load_row(o, base + off[t] + c0 * isz, isz, w, tile + i * w)
+    return <const char *> tile
 
 
-cdef inline void unstage_rows(const Plan *p, char *base, int64_t r0, int64_t nr, int64_t c0,
-                              int64_t w, const float *tile) noexcept nogil:
+cdef inline void unstage_rows(const Plan *p, const Operands *o, int64_t r0, int64_t nr,
+                              int64_t c0, int64_t w, const float *tile) noexcept nogil:
     cdef int64_t off[3]
     cdef int64_t isz = itemsize(p.big_dtype), i
     row_origin(p, r0, off)
     if p.n_outer == 1 and p.outer_stride[2][0] == w * isz:
-        store_row(tile, nr * w, base + off[2] + c0 * isz, p.big_dtype, isz)
+        store_row(o, tile, nr * w, o.dx + off[2] + c0 * isz, isz)
         return
     for i in range(nr):
         if i:
             row_origin(p, r0 + i, off)
-        store_row(tile + i * w, w, base + off[2] + c0 * isz, p.big_dtype, isz)
+        store_row(o, tile + i * w, w, o.dx + off[2] + c0 * isz, isz)
 
 
 cdef void last_block(const Plan *p, const Operands *o, int64_t rb, int64_t grp, int what,
                      float *tiles, double *sum_g, double *sum_xg) noexcept nogil:
     """Channel-last item (row block rb, channel group grp).  Rows go to the kernels in slabs:
-    f32 rows at one stride in place (the whole block at once), anything else staged through
-    the tiles, TILE // w rows at a time.  Sums accumulate row by row, in row order, into the
-    block's own partial arrays, whatever the slab size."""
+    direct rows at one stride in place (the whole block at once), anything else staged
+    through the tiles, TILE // w rows at a time.  Sums accumulate row by row, in row order,
+    into the block's own partial arrays, whatever the slab size."""
     cdef int64_t c0 = grp * p.group
     cdef int64_t w = imin(p.group, p.channels - c0)
     cdef int64_t r0 = rb * p.block, nr
     cdef int64_t r_end = imin((rb + 1) * p.block, p.count)
-    cdef bint direct = p.big_dtype == DT_F32
-    cdef const float *xs = NULL
-    cdef const float *gs
-    cdef float *ds
+    cdef int64_t isz = itemsize(p.big_dtype)
+    cdef const char *xs = NULL
+    cdef const char *gs
+    cdef char *ds
     cdef int64_t xr = 0, gr, dr
     cdef int64_t off[3]
     while r0 < r_end:
-        if not direct:
+        if not o.direct:
             nr = imin(TILE // w, r_end - r0)
         elif p.n_outer <= 1:
             nr = r_end - r0
         else:
-            nr = 1                 # f32 rows that do not share one stride: one at a time
-        gs = stage_rows(p, o.dy, 1, r0, nr, c0, w, direct, tiles + TILE, &gr)
+            nr = 1                 # rows that do not share one stride: one at a time
+        gs = stage_rows(p, o, o.dy, 1, r0, nr, c0, w, tiles + TILE, &gr)
         if what & (DO_REDUCE | DO_APPLY):
-            xs = stage_rows(p, o.x, 0, r0, nr, c0, w, direct, tiles, &xr)
+            xs = stage_rows(p, o, o.x, 0, r0, nr, c0, w, tiles, &xr)
         if what & DO_REDUCE:
-            bnbw_reduce_rows(xs, xr, gs, gr, nr, w, o.mean + c0, sum_g + c0, sum_xg + c0)
+            bnbw_reduce_rows(xs, xr, gs, gr, nr, w, o.mean + c0, sum_g + c0, sum_xg + c0,
+                             o.kdt)
         if what & (DO_APPLY | DO_SCALE):
-            if direct:
+            if o.direct:
                 row_origin(p, r0, off)
-                ds = <float *> (o.dx + off[2]) + c0
-                dr = p.outer_stride[2][0] // 4 if p.n_outer == 1 else w
+                ds = o.dx + off[2] + c0 * isz
+                dr = p.outer_stride[2][0] // isz if p.n_outer == 1 else w
             else:
-                ds = tiles + 2 * TILE
+                ds = <char *> (tiles + 2 * TILE)
                 dr = w
             if what & DO_APPLY:
                 bnbw_apply_rows(xs, xr, gs, gr, ds, dr, nr, w, o.mean + c0, o.k1 + c0,
-                                o.k2 + c0, o.k3 + c0)
+                                o.k2 + c0, o.k3 + c0, o.kdt)
             else:
-                bnbw_scale_rows(gs, gr, ds, dr, nr, w, o.k1 + c0)
-            if not direct:
-                unstage_rows(p, o.dx, r0, nr, c0, w, ds)
+                bnbw_scale_rows(gs, gr, ds, dr, nr, w, o.k1 + c0, o.kdt)
+            if not o.direct:
+                unstage_rows(p, o, r0, nr, c0, w, <const float *> ds)
         r0 += nr
 
 
@@ -602,6 +608,9 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     o.k1 = stats + C
     o.k2 = stats + 2 * C
     o.k3 = stats + 3 * C
+    o.dtype = p.big_dtype
+    o.direct = _direct(p)
+    o.kdt = p.big_dtype if o.direct else DT_F32
     for c in range(C):
         o.mean[c] = load_stat(ptr[SLOT_MEAN], p.stat_dtype, chan_origin(p, SLOT_MEAN, c))
     if op & OP_GIVEN_SUMS:
@@ -690,6 +699,21 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     free(stats)
     free(sums)
     return rc
+
+
+cdef bint _direct(const Plan *p) noexcept nogil:
+    """Whether the kernels can take x, dy and dx where they lie: rows of unit stride in a
+    storage type they read, and (channel-last) row strides whole in elements."""
+    cdef int64_t isz = itemsize(p.big_dtype)
+    cdef int t
+    if not bnbw_kernels_take(p.big_dtype):
+        return False
+    for t in range(3):
+        if p.inner_stride[t] != isz and p.inner_size > 1:
+            return False
+        if p.channel_last and p.n_outer == 1 and p.outer_stride[t][0] % isz != 0:
+            return False
+    return True
 
 
 cdef inline bint _sweeps(const Plan *p) noexcept nogil:
@@ -843,10 +867,15 @@ def omp_max_threads():
 def build_info():
     return {
         "openmp": bnbw_openmp_version(),
-        "multiversioning": bnbw_clones().decode(),
-        "reduce_path": "AVX2" if bnbw_cpu_has_avx2() else "portable",
+        "kernels": "AVX2+F16C" if bnbw_avx2_kernels() else "portable",
         "half_path": bnbw_half_simd_path().decode(),
     }
+
+
+def _force_portable(bint on):
+    """Testing aid: run this module's kernels and conversions on the portable f32 bodies
+    (halves staged through f32 tiles), or, with False, on what the CPU supports again."""
+    bnbw_half_force_portable(on)
 
 
 cdef int omp_max_threads_nogil() noexcept nogil:

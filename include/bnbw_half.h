@@ -275,29 +275,45 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__load_bf16_avx2(const char *src, int64_
     bnbw__load_bf16_portable(src + 2 * i, n - i, dst + i);
 }
 
-static inline BNBW__AVX2 __m256i bnbw__bf16_round8(__m256i x)
+/* 8 f32 lanes rounded to nearest even bf16, each in the low half of its 32-bit lane; right
+   for every lane that is not a NaN. */
+static inline BNBW__AVX2 __m256i bnbw__bf16_round8_numbers(__m256i x)
 {
-    const __m256i one = _mm256_set1_epi32(1);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), one);
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
-                                     _mm256_set1_epi32(0x7f800000));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+}
+
+/* ... and NaN lanes (mask `nan`) replaced by the quiet NaN 0x7fc0 with their sign. */
+static inline BNBW__AVX2 __m256i bnbw__bf16_fix_nans(__m256i x, __m256i r, __m256i nan)
+{
     __m256i qnan = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x8000)),
                                    _mm256_set1_epi32(0x7fc0));
     return _mm256_blendv_epi8(r, qnan, nan);
 }
 
+/* 16 f32 lanes (a: elements 0-7, b: 8-15) as 16 bf16 in element order.  NaNs are rare: one
+   test for both halves, and the fix-up only when it finds one. */
+static inline BNBW__AVX2 __m256i bnbw__bf16_pack16(__m256 a, __m256 b)
+{
+    __m256i xa = _mm256_castps_si256(a), xb = _mm256_castps_si256(b);
+    __m256i ra = bnbw__bf16_round8_numbers(xa), rb = bnbw__bf16_round8_numbers(xb);
+    __m256 na = _mm256_cmp_ps(a, a, _CMP_UNORD_Q), nb = _mm256_cmp_ps(b, b, _CMP_UNORD_Q);
+    __m256i any = _mm256_castps_si256(_mm256_or_ps(na, nb));
+    if (!_mm256_testz_si256(any, any)) {
+        ra = bnbw__bf16_fix_nans(xa, ra, _mm256_castps_si256(na));
+        rb = bnbw__bf16_fix_nans(xb, rb, _mm256_castps_si256(nb));
+    }
+    /* lanes hold values <= 0xffff, so the unsigned saturating pack is exact; it packs per
+       128-bit half, hence the qword permutation back into order */
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(ra, rb), 0xd8);
+}
+
 static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int64_t n, char *dst)
 {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256i a = bnbw__bf16_round8(_mm256_loadu_si256((const __m256i *)(const void *)(src + i)));
-        __m256i b = bnbw__bf16_round8(_mm256_loadu_si256((const __m256i *)(const void *)(src + i + 8)));
-        /* lanes hold values <= 0xffff, so the unsigned saturating pack is exact; it packs per
-           128-bit half, hence the qword permutation back into order */
-        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
-        _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * i), h);
-    }
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * i),
+                            bnbw__bf16_pack16(_mm256_loadu_ps(src + i), _mm256_loadu_ps(src + i + 8)));
     _mm256_zeroupper();   /* gcc 12 omits it here: SSE code after dirty AVX state stalls */
     bnbw__store_bf16_portable(src + i, n - i, dst + 2 * i);
 }

@@ -1,53 +1,91 @@
 /*
  * bnbw_kernels.h - the contiguous inner loops of the bnbw_native engine.
  *
- * Every hot loop of the package is one of the seven functions below; the Cython layer
- * (bnbw_native/_core.pyx) only plans, partitions and dispatches.  All of them work on f32
- * rows: half-precision and strided data are first converted into small per-thread f32 tiles
- * (bnbw_half.h), so there is exactly one arithmetic path per formula.
+ * Every hot loop of the package is one of the six kernels below; the Cython layer
+ * (bnbw_native/_core.pyx) only plans, partitions and dispatches.  A kernel reads and writes
+ * rows of one storage type `dt` (f32, f16 or bf16, unit stride) and computes in f32/f64:
+ *
+ *   channel-major (one channel, n contiguous elements)     channel-last (rows of n channels)
+ *   bnbw_reduce_row   Sum dy, Sum (x - mean) * dy          bnbw_reduce_rows
+ *   bnbw_apply_row    dx = k1*dy + k2*(x - mean) + k3      bnbw_apply_rows
+ *   bnbw_scale_row    dx = k1*dy (frozen statistics)       bnbw_scale_rows
+ *
+ * Two bodies per kernel.  The AVX2 body (x86 with AVX2+FMA+F16C, picked at run time) converts
+ * halves in registers - F16C for f16, a shift for bf16 - so 16-bit data costs half the memory
+ * traffic of f32 and no extra pass.  The portable body works on f32 only; on CPUs without the
+ * AVX2 body the engine first converts halves and strided rows into small f32 tiles.  Both bodies
+ * do the same arithmetic in the same order, so they give the same bits (the tests force the
+ * portable body and compare).
  *
  * Precision.  x - mean is exact in f32 whenever x lies within a factor 2 of the mean (Sterbenz),
  * the product (x - mean) * dy is formed exactly in f64 (24 + 24 bits) and every sum is
- * accumulated in f64 lanes, combined in a fixed tree.  That keeps Sum (x - mean)*dy accurate to ~1e-12 relative for 2^24
- * elements around a large mean, where naive f32 sums lose three or four digits.
+ * accumulated in 16 f64 lanes, combined in a fixed tree.  That keeps Sum (x - mean)*dy accurate
+ * to ~1e-12 relative for 2^24 elements around a large mean, where naive f32 sums lose three or
+ * four digits.  dx is rounded once to its storage type.
  *
- * Determinism.  A function's result depends only on its arguments, never on which thread runs
- * it, and FP contraction is off (-ffp-contract=off), so the AVX2 clone and the baseline clone
- * compute the same bits.
- *
- * Vectorisation.  The loops are written with explicit independent lanes so that gcc vectorises
- * them at -O3 without -ffast-math; target_clones adds an AVX2+FMA+F16C ("x86-64-v3") clone chosen
- * at load time, while the baseline clone keeps the wheel portable.
+ * Determinism.  A kernel's result depends only on its arguments, never on which thread runs
+ * it, and FP contraction is off (-ffp-contract=off): the AVX2 bodies spell out every rounding,
+ * and fuse a multiply-add only where the product is exact.
  */
 #ifndef BNBW_KERNELS_H
 #define BNBW_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
-#if defined(BNBW_HAVE_TARGET_CLONES)
-#define BNBW_SIMD __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define BNBW_SIMD
-#endif
+#include "bnbw_half.h"
+
+/* Storage types of x, dy and dx: the codes of _core.pxd's DType. */
+enum { BNBW_F32 = 0, BNBW_F16 = 1, BNBW_BF16 = 2 };
 
 /* Lanes of independent f64 partial sums in the channel-major reduction: 16 lanes = 4 AVX2
  * registers per sum, enough to hide the 4-cycle add latency at two loads per cycle. */
 #define BNBW_LANES 16
 
-/* ---- channel-major: one channel, n contiguous elements -------------------------------- */
-
-/* The channel-major reduction has a portable body and an AVX2 body with the same 16 f64 lanes
- * and the same combining tree, so both give the same bits; gcc's vectoriser produces poor code
- * for the f32->f64 widening here, hence the explicit AVX2 version. */
-static void bnbw_reduce_row_finish(const float *x, const float *dy, int64_t i, int64_t n,
-                                   float mean, double *sg, double *sxg, double out[2])
+/* Element i of a row of storage type dt, as f32 (exact for every type). */
+static inline float bnbw_get(const void *row, int64_t i, int dt)
 {
-    for (int l = 0; i < n; ++i, ++l) {         /* tail: fewer than BNBW_LANES elements */
-        float g = dy[i];
-        sg[l] += (double)g;
-        sxg[l] += (double)(x[i] - mean) * (double)g;
+    const char *p = (const char *)row;
+    if (dt == BNBW_F32) {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
     }
-    for (int width = BNBW_LANES / 2; width > 0; width /= 2) {   /* fixed pairwise tree */
+    uint16_t bits;
+    memcpy(&bits, p + 2 * i, 2);
+    if (dt == BNBW_F16) {
+        bnbw_f16 h = {bits};
+        return bnbw_f16_to_f32(h);
+    }
+    bnbw_bf16 b = {bits};
+    return bnbw_bf16_to_f32(b);
+}
+
+/* Element i of a row of storage type dt = v, rounded to nearest even. */
+static inline void bnbw_put(void *row, int64_t i, int dt, float v)
+{
+    char *p = (char *)row;
+    if (dt == BNBW_F32) {
+        memcpy(p + 4 * i, &v, 4);
+        return;
+    }
+    uint16_t bits = dt == BNBW_F16 ? bnbw_f32_to_f16(v).bits : bnbw_f32_to_bf16(v).bits;
+    memcpy(p + 2 * i, &bits, 2);
+}
+
+/* ---- portable bodies (f32 rows) --------------------------------------------------------- */
+
+/* Adds the last n (< BNBW_LANES) elements to lanes 0..n-1, then folds the lanes in a fixed
+ * pairwise tree: out[0] = Sum dy, out[1] = Sum (x - mean) * dy. */
+static void bnbw_reduce_row_finish(const float *x, const float *dy, int64_t n, float mean,
+                                   double *sg, double *sxg, double out[2])
+{
+    for (int64_t l = 0; l < n; ++l) {
+        float g = dy[l];
+        sg[l] += (double)g;
+        sxg[l] += (double)(x[l] - mean) * (double)g;
+    }
+    for (int width = BNBW_LANES / 2; width > 0; width /= 2) {
         for (int l = 0; l < width; ++l) {
             sg[l] += sg[l + width];
             sxg[l] += sxg[l + width];
@@ -69,187 +107,345 @@ static void bnbw_reduce_row_portable(const float *x, const float *dy, int64_t n,
             sxg[l] += (double)(x[i + l] - mean) * (double)g;
         }
     }
-    bnbw_reduce_row_finish(x, dy, i, n, mean, sg, sxg, out);
+    bnbw_reduce_row_finish(x + i, dy + i, n - i, mean, sg, sxg, out);
 }
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#include <immintrin.h>
-#define BNBW_HAVE_AVX2_REDUCE 1
-
-/* 16 consecutive floats of dy (G) and x (X), the means of their two halves in MA, MB: adds
- * dy to g0..g3 and the exact f64 product (x - mean) * dy to p0..p3, lane k of register j
- * holding element 4j + k, exactly as the portable loops do. */
-#define BNBW_WIDEN_LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
-#define BNBW_WIDEN_HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
-#define BNBW_ACCUMULATE16(G, X, MA, MB) do {                                              \
-        __m256 ga_ = _mm256_loadu_ps(G), gb_ = _mm256_loadu_ps((G) + 8);                  \
-        __m256 da_ = _mm256_sub_ps(_mm256_loadu_ps(X), MA);                               \
-        __m256 db_ = _mm256_sub_ps(_mm256_loadu_ps((X) + 8), MB);                         \
-        __m256d w0_ = BNBW_WIDEN_LO(ga_), w1_ = BNBW_WIDEN_HI(ga_);                       \
-        __m256d w2_ = BNBW_WIDEN_LO(gb_), w3_ = BNBW_WIDEN_HI(gb_);                       \
-        g0 = _mm256_add_pd(g0, w0_); g1 = _mm256_add_pd(g1, w1_);                         \
-        g2 = _mm256_add_pd(g2, w2_); g3 = _mm256_add_pd(g3, w3_);                         \
-        p0 = _mm256_add_pd(p0, _mm256_mul_pd(BNBW_WIDEN_LO(da_), w0_));                   \
-        p1 = _mm256_add_pd(p1, _mm256_mul_pd(BNBW_WIDEN_HI(da_), w1_));                   \
-        p2 = _mm256_add_pd(p2, _mm256_mul_pd(BNBW_WIDEN_LO(db_), w2_));                   \
-        p3 = _mm256_add_pd(p3, _mm256_mul_pd(BNBW_WIDEN_HI(db_), w3_));                   \
-    } while (0)
-
-__attribute__((target("avx2"))) static void
-bnbw_reduce_row_avx2(const float *x, const float *dy, int64_t n, float mean, double out[2])
-{
-    /* register k holds lanes 4k..4k+3 of the portable version */
-    __m256d g0 = _mm256_setzero_pd(), g1 = g0, g2 = g0, g3 = g0;
-    __m256d p0 = g0, p1 = g0, p2 = g0, p3 = g0;
-    const __m256 m = _mm256_set1_ps(mean);
-    int64_t i = 0;
-    for (; i + BNBW_LANES <= n; i += BNBW_LANES) {
-        BNBW_ACCUMULATE16(dy + i, x + i, m, m);
-    }
-    double sg[BNBW_LANES], sxg[BNBW_LANES];
-    _mm256_storeu_pd(sg, g0); _mm256_storeu_pd(sg + 4, g1);
-    _mm256_storeu_pd(sg + 8, g2); _mm256_storeu_pd(sg + 12, g3);
-    _mm256_storeu_pd(sxg, p0); _mm256_storeu_pd(sxg + 4, p1);
-    _mm256_storeu_pd(sxg + 8, p2); _mm256_storeu_pd(sxg + 12, p3);
-    /* gcc 12 emits no vzeroupper before calling (or returning to) baseline code from a
-     * target("avx2") function; SSE instructions after dirty upper halves run several times
-     * slower on Skylake-class cores, so clear them explicitly. */
-    _mm256_zeroupper();
-    bnbw_reduce_row_finish(x, dy, i, n, mean, sg, sxg, out);
-}
-
-static int bnbw_cpu_has_avx2(void)
-{
-    static int cached = -1;   /* benign race: every thread computes the same value */
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") ? 1 : 0;
-    }
-    return cached;
-}
-#else
-static int bnbw_cpu_has_avx2(void) { return 0; }
-#endif
-
-/* out[0] = Sum dy, out[1] = Sum (x - mean) * dy over the row (assigned, not accumulated). */
-static void bnbw_reduce_row(const float *x, const float *dy, int64_t n, float mean, double out[2])
-{
-#ifdef BNBW_HAVE_AVX2_REDUCE
-    if (bnbw_cpu_has_avx2()) {
-        bnbw_reduce_row_avx2(x, dy, n, mean, out);
-        return;
-    }
-#endif
-    bnbw_reduce_row_portable(x, dy, n, mean, out);
-}
-
-/* dx = k1*dy + k2*(x - mean) + k3.  dx may be the very same memory as dy (in place). */
-static BNBW_SIMD void bnbw_apply_row(const float *x, const float *dy, float *dx, int64_t n,
-                                     float mean, float k1, float k2, float k3)
+/* dx may be the very same memory as dy (in place) in every apply/scale kernel. */
+static void bnbw_apply_row_portable(const float *x, const float *dy, float *dx, int64_t n,
+                                    float mean, float k1, float k2, float k3)
 {
     for (int64_t i = 0; i < n; ++i)
         dx[i] = (k1 * dy[i] + k2 * (x[i] - mean)) + k3;
 }
 
-/* Frozen statistics: dx = k1*dy.  dx may alias dy. */
-static BNBW_SIMD void bnbw_scale_row(const float *dy, float *dx, int64_t n, float k1)
+static void bnbw_scale_row_portable(const float *dy, float *dx, int64_t n, float k1)
 {
     for (int64_t i = 0; i < n; ++i)
         dx[i] = k1 * dy[i];
 }
 
-/* ---- channel-last: one row of n consecutive channels ----------------------------------- */
-
-/* sum_g[c] += dy[c];  sum_xg[c] += (x[c] - mean[c]) * dy[c] */
-static BNBW_SIMD void bnbw_reduce_channels(const float *x, const float *dy, int64_t n,
-                                           const float *mean, double *sum_g, double *sum_xg)
-{
-    for (int64_t c = 0; c < n; ++c) {
-        float g = dy[c];
-        sum_g[c] += (double)g;
-        sum_xg[c] += (double)(x[c] - mean[c]) * (double)g;
-    }
-}
-
-/* The same sums over `rows` rows that lie x_row / dy_row floats apart.  Each channel still
- * adds its rows in row order, so this is bnbw_reduce_channels row after row, bit for bit; the
- * AVX2 body only keeps 16 channels' sums in registers across the rows. */
+/* Channel-last sums of channel c over `rows` rows, added in row order (every body does the
+ * same per channel, whatever it keeps in registers). */
 static void bnbw_reduce_rows_portable(const float *x, int64_t x_row, const float *dy,
                                       int64_t dy_row, int64_t rows, int64_t n,
                                       const float *mean, double *sum_g, double *sum_xg)
 {
-    for (int64_t r = 0; r < rows; ++r)
-        bnbw_reduce_channels(x + r * x_row, dy + r * dy_row, n, mean, sum_g, sum_xg);
-}
-
-#ifdef BNBW_HAVE_AVX2_REDUCE
-/* Rows go four at a time: for each run of 16 channels the sums are loaded, the four rows
- * added in row order and the sums stored back.  Walking all rows per channel run instead
- * would visit addresses a row stride apart, which for power-of-two strides all fall into one
- * L1 set and thrash it. */
-#define BNBW_ROW_GROUP 4
-
-__attribute__((target("avx2"))) static void
-bnbw_reduce_rows_avx2(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
-                      int64_t rows, int64_t n, const float *mean, double *sum_g,
-                      double *sum_xg)
-{
-    int64_t n16 = n - n % 16;
-    for (int64_t r = 0; r < rows; r += BNBW_ROW_GROUP) {
-        int64_t nr = rows - r < BNBW_ROW_GROUP ? rows - r : BNBW_ROW_GROUP;
-        const float *xr0 = x + r * x_row, *gr0 = dy + r * dy_row;
-        for (int64_t c = 0; c < n16; c += 16) {
-            __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
-            __m256d g2 = _mm256_loadu_pd(sum_g + c + 8), g3 = _mm256_loadu_pd(sum_g + c + 12);
-            __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
-            __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
-            const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
-            for (int64_t j = 0; j < nr; ++j)
-                BNBW_ACCUMULATE16(gr0 + j * dy_row + c, xr0 + j * x_row + c, ma, mb);
-            _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
-            _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
-            _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
-            _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
+    for (int64_t r = 0; r < rows; ++r, x += x_row, dy += dy_row) {
+        for (int64_t c = 0; c < n; ++c) {
+            float g = dy[c];
+            sum_g[c] += (double)g;
+            sum_xg[c] += (double)(x[c] - mean[c]) * (double)g;
         }
     }
-    _mm256_zeroupper();                       /* see bnbw_reduce_row_avx2 */
-    if (n16 < n)
-        bnbw_reduce_rows_portable(x + n16, x_row, dy + n16, dy_row, rows, n - n16, mean + n16,
-                                  sum_g + n16, sum_xg + n16);
-}
-#endif
-
-static void bnbw_reduce_rows(const float *x, int64_t x_row, const float *dy, int64_t dy_row,
-                             int64_t rows, int64_t n, const float *mean, double *sum_g,
-                             double *sum_xg)
-{
-#ifdef BNBW_HAVE_AVX2_REDUCE
-    if (bnbw_cpu_has_avx2()) {
-        bnbw_reduce_rows_avx2(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg);
-        return;
-    }
-#endif
-    bnbw_reduce_rows_portable(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg);
 }
 
-/* dx = k1*dy + k2*(x - mean) + k3 per channel, over `rows` rows of n channels; each operand
- * has its own row stride (in floats).  dx may alias dy (in place, same strides). */
-static BNBW_SIMD void bnbw_apply_rows(const float *x, int64_t x_row, const float *dy,
-                                      int64_t dy_row, float *dx, int64_t dx_row, int64_t rows,
-                                      int64_t n, const float *mean, const float *k1,
-                                      const float *k2, const float *k3)
+static void bnbw_apply_rows_portable(const float *x, int64_t x_row, const float *dy,
+                                     int64_t dy_row, float *dx, int64_t dx_row, int64_t rows,
+                                     int64_t n, const float *mean, const float *k1,
+                                     const float *k2, const float *k3)
 {
     for (int64_t r = 0; r < rows; ++r, x += x_row, dy += dy_row, dx += dx_row)
         for (int64_t c = 0; c < n; ++c)
             dx[c] = (k1[c] * dy[c] + k2[c] * (x[c] - mean[c])) + k3[c];
 }
 
-static BNBW_SIMD void bnbw_scale_rows(const float *dy, int64_t dy_row, float *dx,
-                                      int64_t dx_row, int64_t rows, int64_t n, const float *k1)
+static void bnbw_scale_rows_portable(const float *dy, int64_t dy_row, float *dx,
+                                     int64_t dx_row, int64_t rows, int64_t n, const float *k1)
 {
     for (int64_t r = 0; r < rows; ++r, dy += dy_row, dx += dx_row)
         for (int64_t c = 0; c < n; ++c)
             dx[c] = k1[c] * dy[c];
+}
+
+/* ---- AVX2 bodies (any storage type) ------------------------------------------------------ */
+
+#ifdef BNBW__X86_DISPATCH
+#define BNBW_HAVE_AVX2_KERNELS 1
+#define BNBW_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+/* Elements i..i+7 of a row of type dt as 8 f32 lanes. */
+BNBW_AVX2_INLINE __m256 bnbw_load8(const void *row, int64_t i, int dt)
+{
+    if (dt == BNBW_F32)
+        return _mm256_loadu_ps((const float *)row + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)(const void *)((const uint16_t *)row + i));
+    if (dt == BNBW_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Elements i..i+15 of a row of type dt = lo (i..i+7), hi (i+8..i+15), rounded to nearest even
+ * as bnbw_put does.  F16C quiets NaNs; NaNs made by arithmetic are quiet already, and for
+ * those F16C and the scalar rounding agree. */
+BNBW_AVX2_INLINE void bnbw_store16(void *row, int64_t i, __m256 lo, __m256 hi, int dt)
+{
+    if (dt == BNBW_F32) {
+        _mm256_storeu_ps((float *)row + i, lo);
+        _mm256_storeu_ps((float *)row + i + 8, hi);
+        return;
+    }
+    __m256i *dst = (__m256i *)(void *)((uint16_t *)row + i);
+    if (dt == BNBW_F16)
+        _mm256_storeu_si256(dst, _mm256_set_m128i(_mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT),
+                                                  _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT)));
+    else
+        _mm256_storeu_si256(dst, bnbw__bf16_pack16(lo, hi));
+}
+
+/* dy (GA, GB) and x - mean (DA, DB) for 16 consecutive elements: adds dy to g0..g3 and the
+ * f64 product (x - mean) * dy to p0..p3, lane k of register j holding element 4j + k, as the
+ * portable loops do.  A product of two widened f32 values is exact in f64, so one fused
+ * multiply-add rounds exactly where the portable multiply-then-add does: same bits, a third
+ * fewer instructions (the reduction's throughput limit). */
+#define BNBW_WIDEN_LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
+#define BNBW_WIDEN_HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
+#define BNBW_ACCUMULATE16(GA, GB, DA, DB) do {                                            \
+        __m256d w0_ = BNBW_WIDEN_LO(GA), w1_ = BNBW_WIDEN_HI(GA);                         \
+        __m256d w2_ = BNBW_WIDEN_LO(GB), w3_ = BNBW_WIDEN_HI(GB);                         \
+        g0 = _mm256_add_pd(g0, w0_); g1 = _mm256_add_pd(g1, w1_);                         \
+        g2 = _mm256_add_pd(g2, w2_); g3 = _mm256_add_pd(g3, w3_);                         \
+        p0 = _mm256_fmadd_pd(BNBW_WIDEN_LO(DA), w0_, p0);                    \
+        p1 = _mm256_fmadd_pd(BNBW_WIDEN_HI(DA), w1_, p1);                    \
+        p2 = _mm256_fmadd_pd(BNBW_WIDEN_LO(DB), w2_, p2);                    \
+        p3 = _mm256_fmadd_pd(BNBW_WIDEN_HI(DB), w3_, p3);                    \
+    } while (0)
+
+BNBW_AVX2_INLINE void bnbw_reduce_row_body(const void *x, const void *dy, int64_t n,
+                                           float mean, double out[2], int dt)
+{
+    __m256d g0 = _mm256_setzero_pd(), g1 = g0, g2 = g0, g3 = g0;
+    __m256d p0 = g0, p1 = g0, p2 = g0, p3 = g0;
+    const __m256 m = _mm256_set1_ps(mean);
+    int64_t i = 0;
+    for (; i + BNBW_LANES <= n; i += BNBW_LANES)
+        BNBW_ACCUMULATE16(bnbw_load8(dy, i, dt), bnbw_load8(dy, i + 8, dt),
+                          _mm256_sub_ps(bnbw_load8(x, i, dt), m),
+                          _mm256_sub_ps(bnbw_load8(x, i + 8, dt), m));
+    double sg[BNBW_LANES], sxg[BNBW_LANES];
+    _mm256_storeu_pd(sg, g0); _mm256_storeu_pd(sg + 4, g1);
+    _mm256_storeu_pd(sg + 8, g2); _mm256_storeu_pd(sg + 12, g3);
+    _mm256_storeu_pd(sxg, p0); _mm256_storeu_pd(sxg + 4, p1);
+    _mm256_storeu_pd(sxg + 8, p2); _mm256_storeu_pd(sxg + 12, p3);
+    float xt[BNBW_LANES], gt[BNBW_LANES];
+    for (int64_t l = 0; l < n - i; ++l) {
+        xt[l] = bnbw_get(x, i + l, dt);
+        gt[l] = bnbw_get(dy, i + l, dt);
+    }
+    bnbw_reduce_row_finish(xt, gt, n - i, mean, sg, sxg, out);
+}
+
+BNBW_AVX2_INLINE void bnbw_apply_row_body(const void *x, const void *dy, void *dx, int64_t n,
+                                          float mean, float k1, float k2, float k3, int dt)
+{
+    const __m256 m = _mm256_set1_ps(mean), a = _mm256_set1_ps(k1);
+    const __m256 b = _mm256_set1_ps(k2), k = _mm256_set1_ps(k3);
+    int64_t i = 0;
+#define BNBW_APPLY8(j) _mm256_add_ps(_mm256_add_ps(                                        \
+        _mm256_mul_ps(a, bnbw_load8(dy, (j), dt)),                                         \
+        _mm256_mul_ps(b, _mm256_sub_ps(bnbw_load8(x, (j), dt), m))), k)
+    for (; i + 16 <= n; i += 16)
+        bnbw_store16(dx, i, BNBW_APPLY8(i), BNBW_APPLY8(i + 8), dt);
+#undef BNBW_APPLY8
+    for (; i < n; ++i)
+        bnbw_put(dx, i, dt, (k1 * bnbw_get(dy, i, dt) + k2 * (bnbw_get(x, i, dt) - mean)) + k3);
+}
+
+BNBW_AVX2_INLINE void bnbw_scale_row_body(const void *dy, void *dx, int64_t n, float k1, int dt)
+{
+    const __m256 a = _mm256_set1_ps(k1);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        bnbw_store16(dx, i, _mm256_mul_ps(a, bnbw_load8(dy, i, dt)),
+                     _mm256_mul_ps(a, bnbw_load8(dy, i + 8, dt)), dt);
+    for (; i < n; ++i)
+        bnbw_put(dx, i, dt, k1 * bnbw_get(dy, i, dt));
+}
+
+/* Row strides are in elements.  Rows go four at a time: for each run of 16 channels the sums
+ * are loaded, the four rows added in row order and the sums stored back.  Walking all rows per
+ * channel run instead would visit addresses a row stride apart, which for power-of-two strides
+ * all fall into one L1 set and thrash it. */
+#define BNBW_ROW_GROUP 4
+
+BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const void *dy,
+                                            int64_t dy_row, int64_t rows, int64_t n,
+                                            const float *mean, double *sum_g, double *sum_xg,
+                                            int dt)
+{
+    int64_t n16 = n - n % 16;
+    for (int64_t r = 0; r < rows; r += BNBW_ROW_GROUP) {
+        int64_t nr = rows - r < BNBW_ROW_GROUP ? rows - r : BNBW_ROW_GROUP;
+        for (int64_t c = 0; c < n16; c += 16) {
+            __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
+            __m256d g2 = _mm256_loadu_pd(sum_g + c + 8), g3 = _mm256_loadu_pd(sum_g + c + 12);
+            __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
+            __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
+            const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
+            for (int64_t j = r; j < r + nr; ++j) {
+                int64_t xi = j * x_row + c, gi = j * dy_row + c;
+                BNBW_ACCUMULATE16(bnbw_load8(dy, gi, dt), bnbw_load8(dy, gi + 8, dt),
+                                  _mm256_sub_ps(bnbw_load8(x, xi, dt), ma),
+                                  _mm256_sub_ps(bnbw_load8(x, xi + 8, dt), mb));
+            }
+            _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
+            _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
+            _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
+            _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = n16; c < n; ++c) {
+            float g = bnbw_get(dy, r * dy_row + c, dt);
+            sum_g[c] += (double)g;
+            sum_xg[c] += (double)(bnbw_get(x, r * x_row + c, dt) - mean[c]) * (double)g;
+        }
+    }
+}
+
+BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const void *dy,
+                                           int64_t dy_row, void *dx, int64_t dx_row,
+                                           int64_t rows, int64_t n, const float *mean,
+                                           const float *k1, const float *k2, const float *k3,
+                                           int dt)
+{
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t xi = r * x_row, gi = r * dy_row, di = r * dx_row, c = 0;
+#define BNBW_APPLY8(j) _mm256_add_ps(_mm256_add_ps(                                        \
+        _mm256_mul_ps(_mm256_loadu_ps(k1 + (j)), bnbw_load8(dy, gi + (j), dt)),            \
+        _mm256_mul_ps(_mm256_loadu_ps(k2 + (j)),                                           \
+                      _mm256_sub_ps(bnbw_load8(x, xi + (j), dt), _mm256_loadu_ps(mean + (j))))), \
+        _mm256_loadu_ps(k3 + (j)))
+        for (; c + 16 <= n; c += 16)
+            bnbw_store16(dx, di + c, BNBW_APPLY8(c), BNBW_APPLY8(c + 8), dt);
+#undef BNBW_APPLY8
+        for (; c < n; ++c)
+            bnbw_put(dx, di + c, dt, (k1[c] * bnbw_get(dy, gi + c, dt)
+                                      + k2[c] * (bnbw_get(x, xi + c, dt) - mean[c])) + k3[c]);
+    }
+}
+
+BNBW_AVX2_INLINE void bnbw_scale_rows_body(const void *dy, int64_t dy_row, void *dx,
+                                           int64_t dx_row, int64_t rows, int64_t n,
+                                           const float *k1, int dt)
+{
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t gi = r * dy_row, di = r * dx_row, c = 0;
+        for (; c + 16 <= n; c += 16)
+            bnbw_store16(dx, di + c,
+                         _mm256_mul_ps(_mm256_loadu_ps(k1 + c), bnbw_load8(dy, gi + c, dt)),
+                         _mm256_mul_ps(_mm256_loadu_ps(k1 + c + 8), bnbw_load8(dy, gi + c + 8, dt)),
+                         dt);
+        for (; c < n; ++c)
+            bnbw_put(dx, di + c, dt, k1[c] * bnbw_get(dy, gi + c, dt));
+    }
+}
+
+/* Runs `call`, an expression in the constant T, once specialised per storage type: the
+ * always-inline bodies above become one loop per type, with no per-element branch.  gcc 12
+ * emits no vzeroupper on leaving a target("avx2") function for baseline code, and SSE code
+ * after dirty upper halves runs several times slower on Skylake-class cores: clear them. */
+#define BNBW_PER_TYPE(dt, call) do {                                           \
+        if ((dt) == BNBW_F16) { const int T = BNBW_F16; call; }                \
+        else if ((dt) == BNBW_BF16) { const int T = BNBW_BF16; call; }         \
+        else { const int T = BNBW_F32; call; }                                 \
+        _mm256_zeroupper();                                                    \
+    } while (0)
+#define BNBW_AVX2_KERNEL static __attribute__((noinline, target("avx2,fma,f16c"))) void
+
+BNBW_AVX2_KERNEL bnbw_reduce_row_avx2(const void *x, const void *dy, int64_t n, float mean,
+                                      double out[2], int dt)
+{ BNBW_PER_TYPE(dt, bnbw_reduce_row_body(x, dy, n, mean, out, T)); }
+
+BNBW_AVX2_KERNEL bnbw_apply_row_avx2(const void *x, const void *dy, void *dx, int64_t n,
+                                     float mean, float k1, float k2, float k3, int dt)
+{ BNBW_PER_TYPE(dt, bnbw_apply_row_body(x, dy, dx, n, mean, k1, k2, k3, T)); }
+
+BNBW_AVX2_KERNEL bnbw_scale_row_avx2(const void *dy, void *dx, int64_t n, float k1, int dt)
+{ BNBW_PER_TYPE(dt, bnbw_scale_row_body(dy, dx, n, k1, T)); }
+
+BNBW_AVX2_KERNEL bnbw_reduce_rows_avx2(const void *x, int64_t x_row, const void *dy,
+                                       int64_t dy_row, int64_t rows, int64_t n,
+                                       const float *mean, double *sum_g, double *sum_xg, int dt)
+{ BNBW_PER_TYPE(dt, bnbw_reduce_rows_body(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg, T)); }
+
+BNBW_AVX2_KERNEL bnbw_apply_rows_avx2(const void *x, int64_t x_row, const void *dy,
+                                      int64_t dy_row, void *dx, int64_t dx_row, int64_t rows,
+                                      int64_t n, const float *mean, const float *k1,
+                                      const float *k2, const float *k3, int dt)
+{
+    BNBW_PER_TYPE(dt, bnbw_apply_rows_body(x, x_row, dy, dy_row, dx, dx_row, rows, n, mean,
+                                           k1, k2, k3, T));
+}
+
+BNBW_AVX2_KERNEL bnbw_scale_rows_avx2(const void *dy, int64_t dy_row, void *dx, int64_t dx_row,
+                                      int64_t rows, int64_t n, const float *k1, int dt)
+{ BNBW_PER_TYPE(dt, bnbw_scale_rows_body(dy, dy_row, dx, dx_row, rows, n, k1, T)); }
+
+/* 1 when this CPU runs the AVX2 bodies (the same choice as bnbw_half.h's converters, and
+ * switched off with them by bnbw_half_force_portable). */
+static inline int bnbw_avx2_kernels(void) { return bnbw__half_level(); }
+#else
+static inline int bnbw_avx2_kernels(void) { return 0; }
+#endif
+
+/* ---- dispatch ---------------------------------------------------------------------------- */
+
+/* 1 when the kernels take rows of storage type dt directly; otherwise the caller converts
+ * them into f32 tiles and passes BNBW_F32. */
+static inline int bnbw_kernels_take(int dt) { return dt == BNBW_F32 || bnbw_avx2_kernels(); }
+
+#ifdef BNBW_HAVE_AVX2_KERNELS
+#define BNBW_DISPATCH(avx2_call, portable_call) do {   \
+        if (bnbw_avx2_kernels()) avx2_call; else portable_call; \
+    } while (0)
+#else
+#define BNBW_DISPATCH(avx2_call, portable_call) portable_call
+#endif
+
+/* out[0] = Sum dy, out[1] = Sum (x - mean) * dy over the row (assigned, not accumulated). */
+static void bnbw_reduce_row(const void *x, const void *dy, int64_t n, float mean, double out[2],
+                            int dt)
+{
+    BNBW_DISPATCH(bnbw_reduce_row_avx2(x, dy, n, mean, out, dt),
+                  bnbw_reduce_row_portable(x, dy, n, mean, out));
+}
+
+static void bnbw_apply_row(const void *x, const void *dy, void *dx, int64_t n, float mean,
+                           float k1, float k2, float k3, int dt)
+{
+    BNBW_DISPATCH(bnbw_apply_row_avx2(x, dy, dx, n, mean, k1, k2, k3, dt),
+                  bnbw_apply_row_portable(x, dy, dx, n, mean, k1, k2, k3));
+}
+
+static void bnbw_scale_row(const void *dy, void *dx, int64_t n, float k1, int dt)
+{
+    BNBW_DISPATCH(bnbw_scale_row_avx2(dy, dx, n, k1, dt), bnbw_scale_row_portable(dy, dx, n, k1));
+}
+
+/* sum_g[c] += Sum_r dy[r][c];  sum_xg[c] += Sum_r (x[r][c] - mean[c]) * dy[r][c] */
+static void bnbw_reduce_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
+                             int64_t rows, int64_t n, const float *mean, double *sum_g,
+                             double *sum_xg, int dt)
+{
+    BNBW_DISPATCH(bnbw_reduce_rows_avx2(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg, dt),
+                  bnbw_reduce_rows_portable(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg));
+}
+
+static void bnbw_apply_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
+                            void *dx, int64_t dx_row, int64_t rows, int64_t n, const float *mean,
+                            const float *k1, const float *k2, const float *k3, int dt)
+{
+    BNBW_DISPATCH(bnbw_apply_rows_avx2(x, x_row, dy, dy_row, dx, dx_row, rows, n, mean, k1, k2,
+                                       k3, dt),
+                  bnbw_apply_rows_portable(x, x_row, dy, dy_row, dx, dx_row, rows, n, mean, k1,
+                                           k2, k3));
+}
+
+static void bnbw_scale_rows(const void *dy, int64_t dy_row, void *dx, int64_t dx_row,
+                            int64_t rows, int64_t n, const float *k1, int dt)
+{
+    BNBW_DISPATCH(bnbw_scale_rows_avx2(dy, dy_row, dx, dx_row, rows, n, k1, dt),
+                  bnbw_scale_rows_portable(dy, dy_row, dx, dx_row, rows, n, k1));
 }
 
 #endif /* BNBW_KERNELS_H */

@@ -1,0 +1,130 @@
+"""The engine's two kernel bodies give the same bits.
+
+On x86 with AVX2+FMA+F16C the kernels read and write f32, f16 and bf16 rows directly (halves
+converted in registers); elsewhere halves and strided rows are converted into f32 tiles for
+portable f32 kernels.  Both must compute the same thing in the same order, so every output is
+compared bit for bit with the engine forced onto the portable bodies.  The shapes put tails
+everywhere: rows that are not a multiple of 16 or 8 elements, rows longer than one staging tile
+(2048), channel counts with 8- and 16-wide runs plus leftovers; NaN and infinity inputs check
+that both paths round special values alike (NaN payloads and signs aside).
+"""
+import numpy as np
+import pytest
+
+from bnbw_native import _core, batchnorm_training_backward, backward_reduce
+from conftest import BF16, make_layout
+
+DTYPES = [np.float16, np.float32] + ([BF16] if BF16 is not None else [])
+
+SHAPES = [  # (shape, data_format)
+    ((3, 5, 37), "NCX"),
+    ((2, 3, 2100), "NCX"),          # a row cut at the 2048-element tile boundary
+    ((4, 6, 7, 9), "NCX"),          # short rows: the memory-order sweep
+    ((1, 2, 4200), "NCX"),
+    ((37, 19), "NXC"),              # 16 channels + 3
+    ((5, 6, 7, 40), "NXC"),         # 16 + 16 + 8
+    ((9, 3, 131), "NXC"),           # 8 runs of 16 + 3
+    ((600, 64), "NXC"),
+]
+
+
+def _inputs(rng, shape, dtype, data_format, special):
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    if special:
+        flat_x, flat_dy = x.reshape(-1), dy.reshape(-1)
+        idx = rng.choice(flat_x.size, size=max(1, flat_x.size // 50), replace=False)
+        flat_x[idx[::3]] = np.nan
+        flat_dy[idx[1::3]] = np.inf
+        flat_dy[idx[2::3]] = -np.nan
+    C = shape[1] if data_format == "NCX" else shape[-1]
+    mean = rng.standard_normal(C).astype(np.float32)
+    var = (rng.random(C) + 0.5).astype(np.float32)
+    gamma = rng.standard_normal(C).astype(np.float32)
+    stat = BF16 if dtype == BF16 else np.float32
+    return (x.astype(dtype), dy.astype(dtype), mean.astype(stat), var.astype(stat),
+            gamma.astype(stat))
+
+
+def _both_paths(call):
+    fast = call()
+    _core._force_portable(True)
+    try:
+        portable = call()
+    finally:
+        _core._force_portable(False)
+    return fast, portable
+
+
+def _bits(a):
+    """The bit patterns of `a`, every NaN as one pattern: which NaN operand an IEEE operation
+    passes on is unspecified, and compilers swap the operands of commutative operations."""
+    a = np.ascontiguousarray(a)
+    bits = a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16).copy()
+    bits[np.isnan(a)] = np.iinfo(bits.dtype).max
+    return bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape,data_format", SHAPES, ids=str)
+@pytest.mark.parametrize("num_outputs", [3, 1])
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
+def test_direct_kernels_match_portable_bodies(rng, dtype, shape, data_format, num_outputs,
+                                              special):
+    x, dy, mean, var, gamma = _inputs(rng, shape, dtype, data_format, special)
+
+    def call():
+        return batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3,
+                                           data_format=data_format, num_outputs=num_outputs,
+                                           num_threads=2)
+
+    fast, portable = _both_paths(call)
+    for got, want in zip(fast, portable):
+        if want is None:
+            assert got is None
+            continue
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "negative"])
+def test_in_place_and_strided_operands_match_portable_bodies(rng, dtype, layout):
+    """dx written over dy (direct kernels read and write one buffer), and strided operands
+    (staged through tiles on both paths) next to unit-stride ones."""
+    shape = (6, 21, 45)
+    x, dy, mean, var, gamma = _inputs(rng, shape, dtype, "NCX", special=False)
+    x = make_layout(x, layout)
+
+    def call():
+        dx, dg, db = batchnorm_training_backward(x, make_layout(dy, layout), mean, var, gamma,
+                                                 epsilon=1e-5, data_format="NCX")
+        buf = make_layout(dy, layout)
+        batchnorm_training_backward(x, buf, mean, var, gamma, epsilon=1e-5, data_format="NCX",
+                                    out=(buf, np.empty_like(dg), np.empty_like(db)))
+        np.testing.assert_array_equal(_bits(buf), _bits(dx))   # in place == out of place
+        return dx, dg, db
+
+    fast, portable = _both_paths(call)
+    for got, want in zip(fast, portable):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
+def test_reduction_sums_match_portable_bodies(rng, dtype, data_format):
+    shape = (7, 33, 290) if data_format == "NCX" else (7, 290, 33)
+    x, dy, mean, _, _ = _inputs(rng, shape, dtype, data_format, special=False)
+    fast, portable = _both_paths(
+        lambda: backward_reduce(x, dy, mean, data_format=data_format)[0])
+    np.testing.assert_array_equal(fast.view(np.uint64), portable.view(np.uint64))
+
+
+def test_forcing_the_portable_bodies_is_visible():
+    """The comparison above means something only if the switch changes the path taken."""
+    before = _core.build_info()["kernels"]
+    _core._force_portable(True)
+    try:
+        assert _core.build_info()["kernels"] == "portable"
+    finally:
+        _core._force_portable(False)
+    assert _core.build_info()["kernels"] == before
