@@ -583,13 +583,11 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     cdef double *dscale = NULL
     cdef double *dbias = NULL
     cdef float *tiles = NULL
-    cdef float *my_tiles
-    cdef double *my_sums
-    cdef int what, nt, rc = 0
+    cdef Pass w
+    cdef int nt, rc = 0
     cdef bint fused, need_sums = op & OP_COMPUTE_SUMS
     cdef bint write_dx = (op & OP_WRITE_DX) and not p.empty
     cdef bint want_coef = (op & (OP_WRITE_DX | OP_WRITE_PARAMS)) != 0   # reduce-only: none
-    cdef double acc_g, acc_xg
     if C == 0:
         return 0
 
@@ -640,48 +638,33 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
         if tiles == NULL or (need_sums and not fused and partial == NULL):
             rc = -1
     if rc == 0 and not p.empty and (need_sums or write_dx):
-        what = 0
+        w.p = p
+        w.o = &o
+        w.ptr = ptr
+        w.op = op
+        w.eps = eps
+        w.count = count
+        w.sums = sums
+        w.dscale = dscale
+        w.dbias = dbias
+        w.partial = partial
+        w.what = 0
         if need_sums:
-            what = DO_REDUCE
+            w.what = DO_REDUCE
         if write_dx and not (op & OP_TRAINING):
-            what = what | DO_SCALE     # frozen: dx in the same pass as the sums
+            w.what = w.what | DO_SCALE     # frozen: dx in the same pass as the sums
         if fused:
-            for c in prange(C, num_threads=nt, schedule='dynamic'):
-                _fused_channel(p, &o, ptr, op, eps, count, c,
-                               tiles + bnbw_omp_thread_num() * 3 * TILE, sums, dscale, dbias)
-        elif what and p.channel_last:
-            for i in prange(n_items, num_threads=nt, schedule='dynamic'):
-                my_sums = NULL
-                if partial != NULL:
-                    my_sums = partial + 2 * C * (i // p.ngroups)
-                last_block(p, &o, i // p.ngroups, i % p.ngroups, what,
-                           tiles + bnbw_omp_thread_num() * 3 * TILE, my_sums,
-                           my_sums + C if my_sums != NULL else NULL)
-        elif what:
-            _major_pass(p, &o, what, tiles, partial, nt)
+            run_items(&w, _fused_item, C, nt, tiles)
+        elif w.what:
+            _pass(&w, nt, tiles)
         if need_sums and not fused:
-            # combine the block sums of each channel in block order
-            for c in prange(C, num_threads=nt, schedule='static'):
-                acc_g = 0.0
-                acc_xg = 0.0
-                for b in range(p.nblocks):
-                    if p.channel_last:
-                        acc_g = acc_g + partial[2 * C * b + c]
-                        acc_xg = acc_xg + partial[2 * C * b + C + c]
-                    else:
-                        acc_g = acc_g + partial[2 * (c * p.nblocks + b)]
-                        acc_xg = acc_xg + partial[2 * (c * p.nblocks + b) + 1]
-                sums[2 * c] = acc_g
-                sums[2 * c + 1] = acc_xg
+            run_items(&w, _combine_item, C, nt, tiles)
             if want_coef:
                 _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
         if write_dx and op & OP_TRAINING and not fused:
-            if p.channel_last:
-                for i in prange(p.nblocks * p.ngroups, num_threads=nt, schedule='dynamic'):
-                    last_block(p, &o, i // p.ngroups, i % p.ngroups, DO_APPLY,
-                               tiles + bnbw_omp_thread_num() * 3 * TILE, NULL, NULL)
-            else:
-                _major_pass(p, &o, DO_APPLY, tiles, NULL, nt)
+            w.what = DO_APPLY
+            w.partial = NULL
+            _pass(&w, nt, tiles)
     elif rc == 0 and want_coef and op & OP_TRAINING and need_sums:
         _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)   # M == 0
 
@@ -722,22 +705,88 @@ cdef inline bint _sweeps(const Plan *p) noexcept nogil:
     return p.whole_rows and p.inner_size < SWEEP_BELOW
 
 
-cdef void _major_pass(const Plan *p, const Operands *o, int what, float *tiles,
-                      double *partial, int nt) noexcept nogil:
-    """One channel-major pass over every (channel, block); block sums go to partial."""
-    cdef int64_t i, C = p.channels
-    cdef int64_t group = (C + 4 * nt - 1) // (4 * nt)      # about 4 items per thread
-    cdef int64_t ngroups = (C + group - 1) // group
-    if _sweeps(p):
-        for i in prange(p.nblocks * ngroups, num_threads=nt, schedule='dynamic'):
-            sweep_block(p, o, i // ngroups, (i % ngroups) * group,
-                        imin(C, (i % ngroups + 1) * group), what,
-                        tiles + bnbw_omp_thread_num() * 3 * TILE, partial)
+ctypedef struct Pass:          # one pass over the work items: what every item needs
+    const Plan *p
+    Operands *o
+    char **ptr
+    int op
+    int what            # DO_* flags
+    double eps
+    double count
+    double *sums        # [C][2] f64 channel sums
+    double *dscale
+    double *dbias
+    double *partial     # block sums (NULL when the pass keeps none)
+    int64_t group       # memory-order sweep: channels per item
+    int64_t ngroups
+
+ctypedef void (*ItemFn)(const Pass *w, int64_t i, float *tiles) noexcept nogil
+
+
+cdef void run_items(const Pass *w, ItemFn item, int64_t n, int nt, float *tiles) noexcept nogil:
+    """item(w, i, the running thread's tiles) for every i < n.  One thread runs them in this
+    thread: even a one-thread OpenMP region costs microseconds, more than a tiny call's work.
+    Items write disjoint outputs and never depend on the thread that runs them."""
+    cdef int64_t i
+    if nt <= 1:
+        for i in range(n):
+            item(w, i, tiles)
     else:
-        for i in prange(C * p.nblocks, num_threads=nt, schedule='dynamic'):
-            major_block(p, o, i // p.nblocks, i % p.nblocks, what,
-                        tiles + bnbw_omp_thread_num() * 3 * TILE,
-                        partial + 2 * i if partial != NULL else NULL)
+        for i in prange(n, num_threads=nt, schedule='dynamic'):
+            item(w, i, tiles + bnbw_omp_thread_num() * 3 * TILE)
+
+
+cdef void _pass(Pass *w, int nt, float *tiles) noexcept nogil:
+    """One pass of w.what over every block of the plan; block sums go to w.partial."""
+    cdef const Plan *p = w.p
+    if p.channel_last:
+        run_items(w, _last_item, p.nblocks * p.ngroups, nt, tiles)
+    elif _sweeps(p):
+        w.group = (p.channels + 4 * nt - 1) // (4 * nt)      # about 4 items per thread
+        w.ngroups = (p.channels + w.group - 1) // w.group
+        run_items(w, _sweep_item, p.nblocks * w.ngroups, nt, tiles)
+    else:
+        run_items(w, _major_item, p.channels * p.nblocks, nt, tiles)
+
+
+cdef void _last_item(const Pass *w, int64_t i, float *tiles) noexcept nogil:
+    cdef const Plan *p = w.p
+    cdef double *block_sums = NULL
+    if w.partial != NULL:
+        block_sums = w.partial + 2 * p.channels * (i // p.ngroups)
+    last_block(p, w.o, i // p.ngroups, i % p.ngroups, w.what, tiles, block_sums,
+               block_sums + p.channels if block_sums != NULL else NULL)
+
+
+cdef void _sweep_item(const Pass *w, int64_t i, float *tiles) noexcept nogil:
+    sweep_block(w.p, w.o, i // w.ngroups, (i % w.ngroups) * w.group,
+                imin(w.p.channels, (i % w.ngroups + 1) * w.group), w.what, tiles, w.partial)
+
+
+cdef void _major_item(const Pass *w, int64_t i, float *tiles) noexcept nogil:
+    major_block(w.p, w.o, i // w.p.nblocks, i % w.p.nblocks, w.what, tiles,
+                w.partial + 2 * i if w.partial != NULL else NULL)
+
+
+cdef void _combine_item(const Pass *w, int64_t c, float *tiles) noexcept nogil:
+    """Channel c's sums: its block sums added in block order."""
+    cdef const Plan *p = w.p
+    cdef int64_t b, C = p.channels
+    cdef double acc_g = 0.0, acc_xg = 0.0
+    for b in range(p.nblocks):
+        if p.channel_last:
+            acc_g = acc_g + w.partial[2 * C * b + c]
+            acc_xg = acc_xg + w.partial[2 * C * b + C + c]
+        else:
+            acc_g = acc_g + w.partial[2 * (c * p.nblocks + b)]
+            acc_xg = acc_xg + w.partial[2 * (c * p.nblocks + b) + 1]
+    w.sums[2 * c] = acc_g
+    w.sums[2 * c + 1] = acc_xg
+
+
+cdef void _fused_item(const Pass *w, int64_t c, float *tiles) noexcept nogil:
+    _fused_channel(w.p, w.o, w.ptr, w.op, w.eps, w.count, c, tiles, w.sums, w.dscale,
+                   w.dbias)
 
 
 cdef void _channel_coefficients(const Plan *p, char **ptr, int op, double eps, double count,
@@ -882,19 +931,206 @@ cdef int omp_max_threads_nogil() noexcept nogil:
     return bnbw_omp_max_threads()
 
 
-def memory_bounds(cnp.ndarray a):
-    """(low, high): the byte range [low, high) an array's elements occupy; low == high when
-    the array is empty.  The fast twin of numpy's byte_bounds, for the overlap checks."""
-    cdef Py_ssize_t lo = <Py_ssize_t> cnp.PyArray_DATA(a), hi = lo, extent
+cdef inline void _bounds(cnp.ndarray a, Py_ssize_t *lo, Py_ssize_t *hi) noexcept:
+    cdef Py_ssize_t extent
     cdef int d
     cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(a)
     cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
+    lo[0] = <Py_ssize_t> cnp.PyArray_DATA(a)
+    hi[0] = lo[0]
     for d in range(cnp.PyArray_NDIM(a)):
         if shape[d] == 0:
-            return lo, lo
+            return
         extent = (shape[d] - 1) * strides[d]
         if extent < 0:
-            lo += extent
+            lo[0] += extent
         else:
-            hi += extent
-    return lo, hi + cnp.PyArray_ITEMSIZE(a)
+            hi[0] += extent
+    hi[0] += cnp.PyArray_ITEMSIZE(a)
+
+
+def memory_bounds(cnp.ndarray a):
+    """(low, high): the byte range [low, high) an array's elements occupy; low == high when
+    the array is empty.  The fast twin of numpy's byte_bounds, for the overlap checks."""
+    cdef Py_ssize_t lo, hi
+    _bounds(a, &lo, &hi)
+    return lo, hi
+
+
+# ---- the fast path of a call ------------------------------------------------------------
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_NewLikeArray(cnp.ndarray prototype, cnp.NPY_ORDER order, void *descr,
+                                int subok)
+
+
+cdef inline bint _plain(object a, int low_rank, int high_rank) noexcept:
+    """A plain ndarray the engine reads in place: exact type, aligned, native byte order."""
+    if not cnp.PyArray_CheckExact(a):
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray> a
+    return (low_rank <= cnp.PyArray_NDIM(arr) <= high_rank and cnp.PyArray_ISALIGNED(arr)
+            and cnp.PyArray_ISNOTSWAPPED(arr))
+
+
+cdef inline int _dtype_code(int type_num) noexcept:
+    if type_num == cnp.NPY_FLOAT:
+        return DT_F32
+    if type_num == cnp.NPY_FLOAT16:
+        return DT_F16
+    return -1      # bfloat16 (a user dtype) and everything else: the general path
+
+
+cdef inline bint _same_view(cnp.ndarray a, cnp.ndarray b) noexcept:
+    cdef int d
+    if (cnp.PyArray_DATA(a) != cnp.PyArray_DATA(b) or cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(b)
+            or cnp.PyArray_NDIM(a) != cnp.PyArray_NDIM(b)):
+        return False
+    for d in range(cnp.PyArray_NDIM(a)):
+        if (cnp.PyArray_DIMS(a)[d] != cnp.PyArray_DIMS(b)[d]
+                or cnp.PyArray_STRIDES(a)[d] != cnp.PyArray_STRIDES(b)[d]):
+            return False
+    return True
+
+
+cdef bint _fits_output(object a, int type_num, int ndim, const cnp.npy_intp *shape) noexcept:
+    """An output the fast path can prove valid: a plain, writable, contiguous (so never
+    self-overlapping) array of exactly this dtype and shape."""
+    if not _plain(a, ndim, ndim):
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray> a
+    if (cnp.PyArray_TYPE(arr) != type_num or not cnp.PyArray_ISWRITEABLE(arr)
+            or not (cnp.PyArray_IS_C_CONTIGUOUS(arr) or cnp.PyArray_IS_F_CONTIGUOUS(arr))):
+        return False
+    return cnp.PyArray_CompareLists(cnp.PyArray_DIMS(arr), shape, ndim) != 0
+
+
+def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
+                  bint ignore_scale, out, num_threads, resolve_threads, bint graph_rule,
+                  int low_rank, int high_rank):
+    """The common call - plain NumPy f32/f16 arrays, a float epsilon, fresh or contiguous
+    disjoint outputs - checked and run with no Python in between, for tiny tensors where the
+    general path's checks cost more than the work.  Returns (dx, dscale, dbias), or None when
+    the call is anything else (or invalid): the general path then runs it or raises, so every
+    error message keeps one source.  The checks accept a subset of what the general path
+    accepts; test_fast_path.py holds the two to the same answers."""
+    cdef cnp.ndarray X, DY, arr
+    cdef int ndim, d, t, k, big, stat_type, rc, nthreads
+    cdef int n_out = 3 if op & OP_WRITE_PARAMS else 1
+    cdef cnp.npy_intp C
+    cdef double eps
+    cdef float eps32
+    cdef Plan plan
+    cdef int64_t c_sizes[MAX_DIMS]
+    cdef unsigned char c_reduced[MAX_DIMS]
+    cdef int64_t c_strides[N_SLOTS * MAX_DIMS]
+    cdef char *ptr[N_SLOTS]
+    cdef Py_ssize_t lo[N_SLOTS]
+    cdef Py_ssize_t hi[N_SLOTS]
+
+    # inputs
+    if not (_plain(x, low_rank, high_rank) and _plain(dy, low_rank, high_rank)):
+        return None
+    X = <cnp.ndarray> x
+    DY = <cnp.ndarray> dy
+    ndim = cnp.PyArray_NDIM(X)
+    big = _dtype_code(cnp.PyArray_TYPE(X))
+    if (big < 0 or cnp.PyArray_TYPE(DY) != cnp.PyArray_TYPE(X) or cnp.PyArray_NDIM(DY) != ndim
+            or not cnp.PyArray_CompareLists(cnp.PyArray_DIMS(X), cnp.PyArray_DIMS(DY), ndim)):
+        return None
+    C = cnp.PyArray_DIMS(X)[ndim - 1 if channel_last else 1]
+    stats = [mean, var, scale]
+    if not _plain(mean, 1, 1):
+        return None
+    stat_type = cnp.PyArray_TYPE(<cnp.ndarray> mean)
+    if stat_type != (cnp.NPY_FLOAT if graph_rule else cnp.PyArray_TYPE(X)):
+        return None
+    for obj in stats:
+        if obj is None and obj is scale:
+            continue
+        if (not _plain(obj, 1, 1) or cnp.PyArray_TYPE(<cnp.ndarray> obj) != stat_type
+                or cnp.PyArray_DIMS(<cnp.ndarray> obj)[0] != C):
+            return None
+    if type(epsilon) is not float:
+        return None
+    eps = epsilon
+    if not (0.0 < eps < 3.0e38):           # beyond f32 range or not positive: general path
+        return None
+    eps32 = <float> eps
+    if not eps32 > 0:                      # rounds to zero in f32
+        return None
+    if num_threads is not None and not (type(num_threads) is int and num_threads > 0):
+        return None
+    nthreads = resolve_threads(num_threads)
+
+    # outputs
+    if out is None:
+        results = [PyArray_NewLikeArray(X, cnp.NPY_KEEPORDER, NULL, 0)]
+        if n_out == 3:
+            results.append(cnp.PyArray_EMPTY(1, &C, stat_type, 0))
+            results.append(cnp.PyArray_EMPTY(1, &C, stat_type, 0))
+    else:
+        if type(out) is not tuple and type(out) is not list or len(out) != n_out:
+            return None
+        results = list(out)
+        if not _fits_output(results[0], cnp.PyArray_TYPE(X), ndim, cnp.PyArray_DIMS(X)):
+            return None
+        for t in range(1, n_out):
+            if not _fits_output(results[t], stat_type, 1, &C):
+                return None
+        # every output apart from every other operand, dx = dy itself excepted
+        operands = [x, dy, mean, var, scale] + results
+        for t in range(len(operands)):
+            if operands[t] is None:
+                lo[t] = hi[t] = 0
+            else:
+                _bounds(<cnp.ndarray> operands[t], &lo[t], &hi[t])
+        for t in range(5, 5 + n_out):
+            for k in range(5 + n_out):
+                if k == t or lo[t] == hi[t] or lo[k] == hi[k] or hi[t] <= lo[k] or hi[k] <= lo[t]:
+                    continue
+                if t == 5 and k == 1 and _same_view(<cnp.ndarray> operands[t], DY):
+                    continue
+                return None
+
+    # plan and run
+    for d in range(ndim):
+        c_sizes[d] = cnp.PyArray_DIMS(X)[d]
+        c_reduced[d] = d != (ndim - 1 if channel_last else 1)
+        for t in range(N_SLOTS):
+            c_strides[t * MAX_DIMS + d] = 0
+        c_strides[SLOT_X * MAX_DIMS + d] = cnp.PyArray_STRIDES(X)[d]
+        c_strides[SLOT_DY * MAX_DIMS + d] = cnp.PyArray_STRIDES(DY)[d]
+        c_strides[SLOT_DX * MAX_DIMS + d] = cnp.PyArray_STRIDES(<cnp.ndarray> results[0])[d]
+    d = ndim - 1 if channel_last else 1
+    for t, obj in ((SLOT_MEAN, mean), (SLOT_VAR, var), (SLOT_SCALE, scale)):
+        if obj is not None:
+            c_strides[t * MAX_DIMS + d] = cnp.PyArray_STRIDES(<cnp.ndarray> obj)[0]
+    if n_out == 3:
+        c_strides[SLOT_DSCALE * MAX_DIMS + d] = cnp.PyArray_STRIDES(<cnp.ndarray> results[1])[0]
+        c_strides[SLOT_DBIAS * MAX_DIMS + d] = cnp.PyArray_STRIDES(<cnp.ndarray> results[2])[0]
+    ptr[SLOT_X] = <char *> cnp.PyArray_DATA(X)
+    ptr[SLOT_DY] = <char *> cnp.PyArray_DATA(DY)
+    ptr[SLOT_DX] = <char *> cnp.PyArray_DATA(<cnp.ndarray> results[0])
+    ptr[SLOT_MEAN] = <char *> cnp.PyArray_DATA(<cnp.ndarray> mean)
+    ptr[SLOT_VAR] = <char *> cnp.PyArray_DATA(<cnp.ndarray> var)
+    ptr[SLOT_SCALE] = NULL
+    if scale is not None and not ignore_scale:
+        ptr[SLOT_SCALE] = <char *> cnp.PyArray_DATA(<cnp.ndarray> scale)
+    ptr[SLOT_DSCALE] = ptr[SLOT_DBIAS] = NULL
+    if n_out == 3:
+        ptr[SLOT_DSCALE] = <char *> cnp.PyArray_DATA(<cnp.ndarray> results[1])
+        ptr[SLOT_DBIAS] = <char *> cnp.PyArray_DATA(<cnp.ndarray> results[2])
+    for t in range(N_SLOTS):
+        plan.chan_offset[t] = NULL
+    with nogil:
+        rc = plan_build(&plan, ndim, c_sizes, c_reduced, c_strides, big,
+                        DT_F32 if stat_type == cnp.NPY_FLOAT else DT_F16)
+        if rc == 0:
+            rc = plan_execute(&plan, ptr, op, eps32, <double> plan.count, NULL, nthreads)
+        plan_free(&plan)
+    if rc != 0:
+        raise MemoryError("bnbw_native: out of memory")
+    if n_out == 3:
+        return results[0], results[1], results[2]
+    return results[0], None, None

@@ -26,6 +26,10 @@ FORMULAS = {
 }
 
 
+# Formulas the engine's fast path takes (plain NumPy calls; see _core.fast_backward).
+FAST_FORMULAS = ("training", "frozen_dx")
+
+
 class BackwardResult(NamedTuple):
     """diff_src (like src), diff_gamma and diff_beta (length C; None when not computed)."""
     diff_src: np.ndarray
@@ -77,6 +81,13 @@ def array_backward(names, x, dy, mean, var, scale, *, epsilon, data_format, form
 
     extra_stats: [(name, obj)] further length-C inputs that are validated but unused
     (nGraph's beta).  partial/count: the global sums of the two-phase API."""
+    if formula in FAST_FORMULAS and not extra_stats:
+        done = _core.fast_backward(
+            x, dy, mean, var, scale, epsilon, data_format == "NXC", FORMULAS[formula],
+            formula == "frozen_dx", out, num_threads, _config.resolve_threads,
+            dtype_rule is graph_dtypes, ranks[0], ranks[1])
+        if done is not None:
+            return done
     x = float_input(x, names.x)
     check_rank(x, names.x, *ranks)
     dy = float_input(dy, names.dy)
