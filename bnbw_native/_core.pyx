@@ -993,14 +993,48 @@ cdef inline bint _same_view(cnp.ndarray a, cnp.ndarray b) noexcept:
     return True
 
 
+cdef bint _distinct(cnp.ndarray a) noexcept:
+    cdef cnp.npy_intp stride[MAX_DIMS]
+    cdef cnp.npy_intp size[MAX_DIMS]
+    cdef cnp.npy_intp extent = cnp.PyArray_ITEMSIZE(a), s, n
+    cdef int d, k = 0, j
+    if cnp.PyArray_SIZE(a) <= 1:
+        return True
+    if cnp.PyArray_NDIM(a) > MAX_DIMS:
+        return False           # the callers never get here; refuse rather than overflow
+    for d in range(cnp.PyArray_NDIM(a)):
+        if cnp.PyArray_DIMS(a)[d] > 1:
+            s = cnp.PyArray_STRIDES(a)[d]
+            n = cnp.PyArray_DIMS(a)[d]
+            j = k                                  # insertion sort by |stride|
+            while j > 0 and stride[j - 1] > (s if s >= 0 else -s):
+                stride[j] = stride[j - 1]
+                size[j] = size[j - 1]
+                j -= 1
+            stride[j] = s if s >= 0 else -s
+            size[j] = n
+            k += 1
+    for d in range(k):
+        if stride[d] < extent:
+            return False
+        extent += stride[d] * (size[d] - 1)
+    return True
+
+
+def distinct_elements(cnp.ndarray a):
+    """True when the elements of `a` provably occupy distinct bytes: sorted by |stride|,
+    every stride clears the span of the smaller ones (zero strides never do)."""
+    return _distinct(a)
+
+
 cdef bint _fits_output(object a, int type_num, int ndim, const cnp.npy_intp *shape) noexcept:
-    """An output the fast path can prove valid: a plain, writable, contiguous (so never
-    self-overlapping) array of exactly this dtype and shape."""
+    """An output the fast path can prove valid: a plain, writable array of exactly this dtype
+    and shape whose elements do not overlap each other."""
     if not _plain(a, ndim, ndim):
         return False
     cdef cnp.ndarray arr = <cnp.ndarray> a
     if (cnp.PyArray_TYPE(arr) != type_num or not cnp.PyArray_ISWRITEABLE(arr)
-            or not (cnp.PyArray_IS_C_CONTIGUOUS(arr) or cnp.PyArray_IS_F_CONTIGUOUS(arr))):
+            or not _distinct(arr)):
         return False
     return cnp.PyArray_CompareLists(cnp.PyArray_DIMS(arr), shape, ndim) != 0
 
@@ -1008,8 +1042,8 @@ cdef bint _fits_output(object a, int type_num, int ndim, const cnp.npy_intp *sha
 def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
                   bint ignore_scale, out, num_threads, resolve_threads, bint graph_rule,
                   int low_rank, int high_rank):
-    """The common call - plain NumPy f32/f16 arrays, a float epsilon, fresh or contiguous
-    disjoint outputs - checked and run with no Python in between, for tiny tensors where the
+    """The common call - plain NumPy f32/f16 arrays, a float epsilon, fresh or given outputs
+    apart from everything else - checked and run with no Python in between, for tiny tensors where the
     general path's checks cost more than the work.  Returns (dx, dscale, dbias), or None when
     the call is anything else (or invalid): the general path then runs it or raises, so every
     error message keeps one source.  The checks accept a subset of what the general path

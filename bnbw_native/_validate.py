@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 
-from ._core import memory_bounds
+from ._core import distinct_elements, memory_bounds
 
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 _TYPE_LIST = "float32, float16 or bfloat16 (ml_dtypes)"
@@ -181,16 +181,8 @@ def check_out(out, specs):
 
 
 def self_overlapping(a):
-    """True unless the elements of `a` provably occupy distinct bytes: sorted by |stride|,
-    every stride must clear the span of the smaller ones (zero strides never do)."""
-    if a.size <= 1:
-        return False
-    extent = a.itemsize
-    for stride, size in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
-        if stride < extent:
-            return True
-        extent += stride * (size - 1)
-    return False
+    """True unless the elements of `a` provably occupy distinct bytes."""
+    return not distinct_elements(a)
 
 
 def check_no_overlap(outputs, inputs, in_place=None):
