@@ -34,16 +34,7 @@ cdef extern from "bnbw_half.h" nogil:
     bnbw_f16 bnbw_f64_to_f16(double d)
     bnbw_bf16 bnbw_f64_to_bf16(double d)
 
-cdef extern from *:
-    """
-    #ifdef _OPENMP
-    #include <omp.h>
-    static int bnbw__max_threads(void) { return omp_get_max_threads(); }
-    #else
-    static int bnbw__max_threads(void) { return 1; }
-    #endif
-    """
-    int bnbw__max_threads() nogil
+from bnbw_native._core cimport omp_max_threads_nogil
 
 ctypedef void (*load_fn)(const char *, int64_t, int64_t, float *) noexcept nogil
 ctypedef void (*store_fn)(const float *, int64_t, char *, int64_t) noexcept nogil
@@ -57,7 +48,7 @@ PARALLEL_MIN = _PARALLEL_MIN
 
 def _max_threads():
     """omp_get_max_threads() of the calling thread, or 1 in a build without OpenMP."""
-    return bnbw__max_threads()
+    return omp_max_threads_nogil()
 
 
 def simd_path():
@@ -72,7 +63,7 @@ def _force_portable(bint on):
 
 cdef int _threads(object num_threads) except -1:
     if num_threads is None:
-        return bnbw__max_threads()
+        return omp_max_threads_nogil()
     if isinstance(num_threads, bool):
         raise TypeError("num_threads: expected an int or None, got bool")
     try:
