@@ -106,6 +106,7 @@ cdef enum:
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
     SWEEP_BELOW = 1024    # channel-major rows shorter than this are visited in memory order
                           # (56x56 rows: a channel at a time, fused, is faster; 14x14: sweep)
+    FUSE_BYTES = 1 << 19  # short rows, fused: x and dy of a channel group stay within half L2
 
 cdef inline int64_t itemsize(int dtype) noexcept nogil:
     return 4 if dtype == DT_F32 else 2
@@ -623,8 +624,8 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
         n_items = C * p.nblocks
     if nt > n_items:
         nt = <int> n_items if n_items > 0 else 1
-    fused = (not p.channel_last and not _sweeps(p) and need_sums and write_dx
-             and op & OP_TRAINING and C >= 2 * nt)
+    fused = (not p.channel_last and need_sums and write_dx and op & OP_TRAINING
+             and C >= 2 * nt)
     if want_coef and (not (op & OP_TRAINING) or not need_sums):
         # frozen statistics (or given sums): the constants are known before any pass
         _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
@@ -633,9 +634,9 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
         tiles = <float *> malloc(nt * 3 * TILE * sizeof(float))
         if p.channel_last and need_sums:
             partial = <double *> calloc(2 * C * p.nblocks, sizeof(double))
-        elif need_sums and not fused:
+        elif need_sums and not (fused and not _sweeps(p)):
             partial = <double *> malloc(2 * C * p.nblocks * sizeof(double))
-        if tiles == NULL or (need_sums and not fused and partial == NULL):
+        if tiles == NULL or (need_sums and partial == NULL and not (fused and not _sweeps(p))):
             rc = -1
     if rc == 0 and not p.empty and (need_sums or write_dx):
         w.p = p
@@ -653,7 +654,11 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
             w.what = DO_REDUCE
         if write_dx and not (op & OP_TRAINING):
             w.what = w.what | DO_SCALE     # frozen: dx in the same pass as the sums
-        if fused:
+        if fused and _sweeps(p):
+            w.group = _fused_group(p, nt)
+            w.ngroups = (C + w.group - 1) // w.group
+            run_items(&w, _fused_group_item, w.ngroups, nt, tiles)
+        elif fused:
             run_items(&w, _fused_item, C, nt, tiles)
         elif w.what:
             _pass(&w, nt, tiles)
@@ -782,6 +787,35 @@ cdef void _combine_item(const Pass *w, int64_t c, float *tiles) noexcept nogil:
             acc_xg = acc_xg + w.partial[2 * (c * p.nblocks + b) + 1]
     w.sums[2 * c] = acc_g
     w.sums[2 * c + 1] = acc_xg
+
+
+cdef int64_t _fused_group(const Plan *p, int nt) noexcept nogil:
+    """Channels per fused item when rows are short: as many as keep the group's x and dy
+    within FUSE_BYTES, and at least two items per thread."""
+    cdef int64_t g = FUSE_BYTES // (2 * itemsize(p.big_dtype) * p.count)
+    cdef int64_t most = (p.channels + 2 * nt - 1) // (2 * nt)
+    if g > most:
+        g = most
+    return g if g > 0 else 1
+
+
+cdef void _fused_group_item(const Pass *w, int64_t g, float *tiles) noexcept nogil:
+    """Fused schedule for short rows: reduce channels [c_lo, c_hi) in memory order (their
+    rows of one outer index are adjacent), finish their sums and coefficients, then apply
+    them while their rows are still in L2.  The block sums are those of the split schedule,
+    added in the same block order."""
+    cdef const Plan *p = w.p
+    cdef int64_t b, c
+    cdef int64_t c_lo = g * w.group
+    cdef int64_t c_hi = imin(p.channels, c_lo + w.group)
+    for b in range(p.nblocks):
+        sweep_block(p, w.o, b, c_lo, c_hi, DO_REDUCE, tiles, w.partial)
+    for c in range(c_lo, c_hi):
+        _combine_item(w, c, tiles)
+        _channel_coefficients(p, w.ptr, w.op, w.eps, w.count, w.o, c, w.sums, w.dscale,
+                              w.dbias)
+    for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
+        sweep_block(p, w.o, b, c_lo, c_hi, DO_APPLY, tiles, NULL)
 
 
 cdef void _fused_item(const Pass *w, int64_t c, float *tiles) noexcept nogil:
