@@ -103,6 +103,8 @@ cdef enum:
     BLOCK = 32768         # elements per reduction block
     MIN_BLOCK_ROWS = 16   # channel-last: lower bound on rows per block (bounds partial sums)
     MAX_LAST_BLOCKS = 32  # channel-last: upper bound on blocks (partial sums <= 512 B/channel)
+    PARTIAL_BYTES = 1 << 16   # channel-last: upper bound on all blocks' sums, so they stay
+                              # cached (2048 channels: 2 blocks, not 16; 18% faster)
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
     SWEEP_BELOW = 1024    # channel-major rows shorter than this are visited in memory order
                           # (56x56 rows: a channel at a time, fused, is faster; 14x14: sweep)
@@ -233,13 +235,15 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
         for t in range(3):
             p.inner_stride[t] = isz
         # rows per block: at least BLOCK elements' worth, and few enough blocks that the
-        # per-block sums (2 doubles per channel per block) stay a small fraction of the input
+        # per-block sums (2 doubles per channel per block) stay within PARTIAL_BYTES
+        s = PARTIAL_BYTES // (16 * C)
+        s = 1 if s < 1 else (MAX_LAST_BLOCKS if s > MAX_LAST_BLOCKS else s)
         p.block = BLOCK // C if BLOCK // C > MIN_BLOCK_ROWS else MIN_BLOCK_ROWS
-        if p.block < (M + MAX_LAST_BLOCKS - 1) // MAX_LAST_BLOCKS:
-            p.block = (M + MAX_LAST_BLOCKS - 1) // MAX_LAST_BLOCKS
+        if p.block < (M + s - 1) // s:
+            p.block = (M + s - 1) // s
         p.nblocks = (M + p.block - 1) // p.block
         p.group = TILE
-        p.ngroups = (C + TILE - 1) // TILE
+        p.ngroups = (C + p.group - 1) // p.group
     else:
         p.n_outer = nred - 1 if nred > 0 else 0
         if nred > 0:
