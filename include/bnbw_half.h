@@ -297,11 +297,10 @@ static inline BNBW__AVX2 __m256i bnbw__bf16_pack16(__m256 a, __m256 b)
 {
     __m256i xa = _mm256_castps_si256(a), xb = _mm256_castps_si256(b);
     __m256i ra = bnbw__bf16_round8_numbers(xa), rb = bnbw__bf16_round8_numbers(xb);
-    __m256 na = _mm256_cmp_ps(a, a, _CMP_UNORD_Q), nb = _mm256_cmp_ps(b, b, _CMP_UNORD_Q);
-    __m256i any = _mm256_castps_si256(_mm256_or_ps(na, nb));
+    __m256i any = _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_UNORD_Q));  /* a[i] or b[i] NaN */
     if (!_mm256_testz_si256(any, any)) {
-        ra = bnbw__bf16_fix_nans(xa, ra, _mm256_castps_si256(na));
-        rb = bnbw__bf16_fix_nans(xb, rb, _mm256_castps_si256(nb));
+        ra = bnbw__bf16_fix_nans(xa, ra, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+        rb = bnbw__bf16_fix_nans(xb, rb, _mm256_castps_si256(_mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
     }
     /* lanes hold values <= 0xffff, so the unsigned saturating pack is exact; it packs per
        128-bit half, hence the qword permutation back into order */
