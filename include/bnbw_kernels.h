@@ -221,17 +221,26 @@ BNBW_AVX2_INLINE void bnbw_reduce_row_body(const void *x, const void *dy, int64_
         BNBW_ACCUMULATE16(bnbw_load8(dy, i, dt), bnbw_load8(dy, i + 8, dt),
                           _mm256_sub_ps(bnbw_load8(x, i, dt), m),
                           _mm256_sub_ps(bnbw_load8(x, i + 8, dt), m));
-    double sg[BNBW_LANES], sxg[BNBW_LANES];
-    _mm256_storeu_pd(sg, g0); _mm256_storeu_pd(sg + 4, g1);
-    _mm256_storeu_pd(sg + 8, g2); _mm256_storeu_pd(sg + 12, g3);
-    _mm256_storeu_pd(sxg, p0); _mm256_storeu_pd(sxg + 4, p1);
-    _mm256_storeu_pd(sxg + 8, p2); _mm256_storeu_pd(sxg + 12, p3);
-    float xt[BNBW_LANES], gt[BNBW_LANES];
-    for (int64_t l = 0; l < n - i; ++l) {
-        xt[l] = bnbw_get(x, i + l, dt);
-        gt[l] = bnbw_get(dy, i + l, dt);
+    if (i < n) {
+        /* the last n - i < 16 elements in lanes 0.., the other lanes padded with an exact
+           identity: dy = -0.0 and x - mean = +0.0 add -0.0 to both sums, and s + -0.0 == s
+           for every s, signed zeros included */
+        float dt_[BNBW_LANES], gt_[BNBW_LANES];
+        for (int l = 0; l < BNBW_LANES; ++l) {
+            dt_[l] = i + l < n ? bnbw_get(x, i + l, dt) - mean : 0.0f;
+            gt_[l] = i + l < n ? bnbw_get(dy, i + l, dt) : -0.0f;
+        }
+        BNBW_ACCUMULATE16(_mm256_loadu_ps(gt_), _mm256_loadu_ps(gt_ + 8),
+                          _mm256_loadu_ps(dt_), _mm256_loadu_ps(dt_ + 8));
     }
-    bnbw_reduce_row_finish(xt, gt, n - i, mean, sg, sxg, out);
+    /* bnbw_reduce_row_finish's pairwise tree, in registers: lanes l += l + 8 (registers 0, 1
+       += 2, 3), l += l + 4, l += l + 2 (the two halves of register 0), l += l + 1 */
+    g0 = _mm256_add_pd(g0, g2); g1 = _mm256_add_pd(g1, g3); g0 = _mm256_add_pd(g0, g1);
+    p0 = _mm256_add_pd(p0, p2); p1 = _mm256_add_pd(p1, p3); p0 = _mm256_add_pd(p0, p1);
+    __m128d g = _mm_add_pd(_mm256_castpd256_pd128(g0), _mm256_extractf128_pd(g0, 1));
+    __m128d p = _mm_add_pd(_mm256_castpd256_pd128(p0), _mm256_extractf128_pd(p0, 1));
+    out[0] = _mm_cvtsd_f64(_mm_add_sd(g, _mm_unpackhi_pd(g, g)));
+    out[1] = _mm_cvtsd_f64(_mm_add_sd(p, _mm_unpackhi_pd(p, p)));
 }
 
 BNBW_AVX2_INLINE void bnbw_apply_row_body(const void *x, const void *dy, void *dx, int64_t n,

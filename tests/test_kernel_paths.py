@@ -39,6 +39,8 @@ def _inputs(rng, shape, dtype, data_format, special):
         flat_dy[idx[2::3]] = -np.nan
     C = shape[1] if data_format == "NCX" else shape[-1]
     mean = rng.standard_normal(C).astype(np.float32)
+    if special:
+        mean[::3] = np.inf          # x - mean infinite in every lane a kernel fills
     var = (rng.random(C) + 0.5).astype(np.float32)
     gamma = rng.standard_normal(C).astype(np.float32)
     stat = BF16 if dtype == BF16 else np.float32
@@ -117,6 +119,22 @@ def test_reduction_sums_match_portable_bodies(rng, dtype, data_format):
     fast, portable = _both_paths(
         lambda: backward_reduce(x, dy, mean, data_format=data_format)[0])
     np.testing.assert_array_equal(fast.view(np.uint64), portable.view(np.uint64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape,data_format", [((2, 3, 37), "NCX"), ((37, 19), "NXC")],
+                         ids=str)
+def test_padding_of_short_rows_adds_nothing(rng, dtype, shape, data_format):
+    """An infinite mean makes every real term -inf (dy > 0): the sums must be exactly -inf,
+    which padding lanes that computed inf - inf would turn into NaN."""
+    x, _, mean, var, gamma = _inputs(rng, shape, dtype, data_format, special=False)
+    dy = (np.abs(rng.standard_normal(shape)) + 0.5).astype(dtype)
+    mean[0] = np.inf
+    fast, portable = _both_paths(lambda: batchnorm_training_backward(
+        x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format))
+    assert np.isneginf(float(fast[1][0])) and np.isneginf(float(portable[1][0]))
+    for got, want in zip(fast, portable):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 def test_forcing_the_portable_bodies_is_visible():
