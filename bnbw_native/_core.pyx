@@ -1016,12 +1016,23 @@ cdef inline bint _plain(object a, int low_rank, int high_rank) noexcept:
             and cnp.PyArray_ISNOTSWAPPED(arr))
 
 
-cdef inline int _dtype_code(int type_num) noexcept:
-    if type_num == cnp.NPY_FLOAT:
+cdef int _bfloat16_type = -1      # ml_dtypes' bfloat16, a user dtype: its number once seen
+
+
+cdef int _dtype_code(cnp.ndarray a) except -2:
+    """The engine's code for a's dtype, or -1 (the general path decides)."""
+    global _bfloat16_type
+    cdef int t = cnp.PyArray_TYPE(a)
+    if t == cnp.NPY_FLOAT:
         return DT_F32
-    if type_num == cnp.NPY_FLOAT16:
+    if t == cnp.NPY_FLOAT16:
         return DT_F16
-    return -1      # bfloat16 (a user dtype) and everything else: the general path
+    if t == _bfloat16_type:
+        return DT_BF16
+    if _bfloat16_type < 0 and t >= 256 and a.dtype.name == "bfloat16":    # NPY_USERDEF
+        _bfloat16_type = t          # the name is what the general path goes by too
+        return DT_BF16
+    return -1
 
 
 cdef inline bint _same_view(cnp.ndarray a, cnp.ndarray b) noexcept:
@@ -1085,14 +1096,14 @@ cdef bint _fits_output(object a, int type_num, int ndim, const cnp.npy_intp *sha
 def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
                   bint ignore_scale, out, num_threads, resolve_threads, bint graph_rule,
                   int low_rank, int high_rank):
-    """The common call - plain NumPy f32/f16 arrays, a float epsilon, fresh or given outputs
+    """The common call - plain NumPy f32/f16/bf16 arrays, a float epsilon, fresh or given outputs
     apart from everything else - checked and run with no Python in between, for tiny tensors where the
     general path's checks cost more than the work.  Returns (dx, dscale, dbias), or None when
     the call is anything else (or invalid): the general path then runs it or raises, so every
     error message keeps one source.  The checks accept a subset of what the general path
     accepts; test_fast_path.py holds the two to the same answers."""
     cdef cnp.ndarray X, DY, arr
-    cdef int ndim, d, t, k, big, stat_type, rc, nthreads
+    cdef int ndim, d, t, k, big, stat_type, stat_code, rc, nthreads
     cdef int n_out = 3 if op & OP_WRITE_PARAMS else 1
     cdef cnp.npy_intp C
     cdef double eps
@@ -1111,7 +1122,7 @@ def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
     X = <cnp.ndarray> x
     DY = <cnp.ndarray> dy
     ndim = cnp.PyArray_NDIM(X)
-    big = _dtype_code(cnp.PyArray_TYPE(X))
+    big = _dtype_code(X)
     if (big < 0 or cnp.PyArray_TYPE(DY) != cnp.PyArray_TYPE(X) or cnp.PyArray_NDIM(DY) != ndim
             or not cnp.PyArray_CompareLists(cnp.PyArray_DIMS(X), cnp.PyArray_DIMS(DY), ndim)):
         return None
@@ -1120,7 +1131,11 @@ def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
     if not _plain(mean, 1, 1):
         return None
     stat_type = cnp.PyArray_TYPE(<cnp.ndarray> mean)
-    if stat_type != (cnp.NPY_FLOAT if graph_rule else cnp.PyArray_TYPE(X)):
+    if graph_rule:      # T2 = f32 with any T1, or T2 = T1 = bf16
+        if not (stat_type == cnp.NPY_FLOAT
+                or (big == DT_BF16 and stat_type == cnp.PyArray_TYPE(X))):
+            return None
+    elif stat_type != cnp.PyArray_TYPE(X):      # one type for every tensor
         return None
     for obj in stats:
         if obj is None and obj is scale:
@@ -1171,6 +1186,7 @@ def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
                 return None
 
     # plan and run
+    stat_code = _dtype_code(<cnp.ndarray> mean)
     for d in range(ndim):
         c_sizes[d] = cnp.PyArray_DIMS(X)[d]
         c_reduced[d] = d != (ndim - 1 if channel_last else 1)
@@ -1201,8 +1217,7 @@ def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
     for t in range(N_SLOTS):
         plan.chan_offset[t] = NULL
     with nogil:
-        rc = plan_build(&plan, ndim, c_sizes, c_reduced, c_strides, big,
-                        DT_F32 if stat_type == cnp.NPY_FLOAT else DT_F16)
+        rc = plan_build(&plan, ndim, c_sizes, c_reduced, c_strides, big, stat_code)
         if rc == 0:
             rc = plan_execute(&plan, ptr, op, eps32, <double> plan.count, NULL, nthreads)
         plan_free(&plan)

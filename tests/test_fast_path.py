@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bnbw_native import _config, _core, _pipeline, batchnorm_training_backward, onednn
+from conftest import BF16
 
 TRAINING = _pipeline.FORMULAS["training"]
 FROZEN_DX = _pipeline.FORMULAS["frozen_dx"]
@@ -37,13 +38,15 @@ def make(rng, shape=(8, 16), dtype=np.float32, stat=np.float32, axis=-1):
 @pytest.mark.parametrize("shape,data_format", [((8, 16), "NXC"), ((8, 16), "NCX"),
                                                ((2, 3, 5, 7), "NCX"), ((4, 5, 6, 9), "NXC"),
                                                ((3, 0, 4), "NCX"), ((0, 5), "NXC")])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype,stat", [(np.float32, np.float32), (np.float16, np.float32)]
+                         + ([(BF16, np.float32), (BF16, BF16)] if BF16 is not None else []),
+                         ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("num_outputs", [3, 1])
 def test_fast_path_runs_plain_calls_with_the_general_paths_bits(rng, monkeypatch, shape,
-                                                                 data_format, dtype,
+                                                                 data_format, dtype, stat,
                                                                  num_outputs):
     axis = 1 if data_format == "NCX" else -1
-    x, dy, mean, var, gamma = make(rng, shape, dtype, axis=axis)
+    x, dy, mean, var, gamma = make(rng, shape, dtype, stat, axis=axis)
     op = TRAINING if num_outputs == 3 else FROZEN_DX
     got = fast(x, dy, mean, var, gamma, 1e-3, channel_last=data_format == "NXC", op=op)
     assert got is not None, "a plain call must take the fast path"
@@ -55,7 +58,7 @@ def test_fast_path_runs_plain_calls_with_the_general_paths_bits(rng, monkeypatch
             assert g is None
             continue
         assert g.dtype == w.dtype and g.shape == w.shape and g.strides == w.strides
-        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
 
 
 def test_fast_path_writes_out_and_in_place(rng, general_only):
@@ -91,6 +94,9 @@ def _declined_cases(rng):
         "dy float16": dict(dy=dy.astype(np.float16)),
         "dy shape": dict(dy=dy[:, :8]),
         "mean float16 (graph rule)": dict(mean=mean.astype(np.float16)),
+        "x, dy float16 with float16 statistics (graph rule)": dict(
+            x=x.astype(np.float16), dy=dy.astype(np.float16), mean=mean.astype(np.float16),
+            var=var.astype(np.float16), gamma=gamma.astype(np.float16)),
         "var length": dict(var=var[:8]),
         "gamma 2-D": dict(gamma=gamma[None, :]),
         "mean missing": dict(mean=None),
@@ -99,6 +105,9 @@ def _declined_cases(rng):
         "x a list": dict(x=x.tolist()),
         "x a subclass": dict(x=x.view(Sub)),
         "x byte-swapped": dict(x=x.astype(x.dtype.newbyteorder())),
+        **({"statistics bfloat16 with float32 x (graph rule)": dict(
+            mean=mean.astype(BF16), var=var.astype(BF16), gamma=gamma.astype(BF16))}
+           if BF16 is not None else {}),
         "epsilon 0": dict(epsilon=0.0),
         "epsilon negative": dict(epsilon=-1e-5),
         "epsilon underflows f32": dict(epsilon=1e-50),
