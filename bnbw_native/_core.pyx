@@ -1138,7 +1138,7 @@ def fast_backward(x, dy, mean, var, scale, epsilon, bint channel_last, int op,
     elif stat_type != cnp.PyArray_TYPE(X):      # one type for every tensor
         return None
     for obj in stats:
-        if obj is None and obj is scale:
+        if obj is None and obj is scale:      # scale None means 1; any other None: decline
             continue
         if (not _plain(obj, 1, 1) or cnp.PyArray_TYPE(<cnp.ndarray> obj) != stat_type
                 or cnp.PyArray_DIMS(<cnp.ndarray> obj)[0] != C):

@@ -231,19 +231,21 @@ def _check_array_front(front, data):
         assert first[1] is None and first[2] is None
 
 
-def _array_front_test(front):
+def _hypothesis_test(check, arg):
+    """A factory for twins(): a hypothesis test of check(arg, data) under the given profile."""
     def factory(profile):
         @profile
         @given(data=st.data())
         def test(data):
-            _check_array_front(front, data)
+            check(arg, data)
         return test
     return factory
 
 
 for _front in FRONTS:
     globals()[f"test_{_front}_matches_reference"], \
-        globals()[f"test_{_front}_matches_reference_thorough"] = twins(_array_front_test(_front))
+        globals()[f"test_{_front}_matches_reference_thorough"] = \
+        twins(_hypothesis_test(_check_array_front, _front))
 
 
 # ---- two phases (SPEC 7): shards along axis 0, global sums, per-shard apply -----------------
@@ -406,23 +408,13 @@ def _check_dml_operator(formula, data):
         assert_within(got, want, bound, c["t"], what)
 
 
-def _dml_factory(check, formula):
-    def factory(profile):
-        @profile
-        @given(data=st.data())
-        def test(data):
-            check(formula, data)
-        return test
-    return factory
-
-
 for _formula in ("frozen", "training"):
     globals()[f"test_dml_convenience_{_formula}_matches_reference"], \
         globals()[f"test_dml_convenience_{_formula}_matches_reference_thorough"] = \
-        twins(_dml_factory(_check_dml_convenience, _formula))
+        twins(_hypothesis_test(_check_dml_convenience, _formula))
     globals()[f"test_dml_operator_{_formula}_matches_reference"], \
         globals()[f"test_dml_operator_{_formula}_matches_reference_thorough"] = \
-        twins(_dml_factory(_check_dml_operator, _formula))
+        twins(_hypothesis_test(_check_dml_operator, _formula))
 
 
 def test_profiles_are_registered():
