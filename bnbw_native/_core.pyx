@@ -328,13 +328,18 @@ cdef inline const char *load_row(const Operands *o, const char *src, int64_t str
                                  float *tile) noexcept nogil:
     if o.direct or (o.dtype == DT_F32 and stride == 4):
         return src
+    copy_row(o, src, stride, n, tile)
+    return <const char *> tile
+
+
+cdef inline void copy_row(const Operands *o, const char *src, int64_t stride, int64_t n,
+                          float *tile) noexcept nogil:
     if o.dtype == DT_F32:
         bnbw_load_f32(src, stride, n, tile)
     elif o.dtype == DT_F16:
         bnbw_load_f16_arith(src, stride, n, tile)
     else:
         bnbw_load_bf16(src, stride, n, tile)
-    return <const char *> tile
 
 
 cdef inline char *row_target(const Operands *o, char *dst, int64_t stride,
@@ -494,7 +499,7 @@ cdef inline const char *stage_rows(const Plan *p, const Operands *o, const char 
     for i in range(nr):
         if i:
             row_origin(p, r0 + i, off)
-        load_row(o, base + off[t] + c0 * isz, isz, w, tile + i * w)
+        copy_row(o, base + off[t] + c0 * isz, isz, w, tile + i * w)
     return <const char *> tile
 
 
