@@ -188,7 +188,7 @@ def small(snapshot):
 
 
 half = int(sys.argv[2]) // 2
-first, second = run(half), run(half, half)
+first, second, third = run(half), run(half, half), run(half, half)
 before = meters()
 for _ in range(int(sys.argv[3])):
     threaded()
@@ -205,7 +205,8 @@ for w in range(3):
     b1, n1 = small(tracemalloc.take_snapshot())
     windows.append(dict(bytes=b1 - b0, traces=n1 - n0))
 tracemalloc.stop()
-print(json.dumps(dict(first=first, second=second, teams=teams, traced=windows[1:])))
+print(json.dumps(dict(first=first, second=second, third=third, teams=teams,
+                      traced=windows[1:])))
 """
 
 
@@ -215,7 +216,9 @@ def test_no_leak_over_10000_calls():
     pinned at 128 KiB (small C blocks stay in the heap meter).  Warm-up growth is allowed; what
     the second half of the calls adds must be nil: a leak of one object or C block in any one
     entry point adds ~290 blocks to the second half (the strict meter: allocated blocks and
-    glibc's heap); tracemalloc's windows bound what NumPy data and Python objects add."""
+    glibc's heap); tracemalloc's windows bound what NumPy data and Python objects add.
+    Python's block count is read over two such halves: a leak grows both, while a one-off
+    (a dict or free list resized at some moment, ~100 blocks now and then) lands in one."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072",
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     proc = subprocess.run(cwd=tempfile.gettempdir(), args=[sys.executable, "-c", LEAK_SCRIPT, os.path.dirname(__file__),
@@ -224,7 +227,8 @@ def test_no_leak_over_10000_calls():
     assert proc.returncode == 0, proc.stderr
     grew = json.loads(proc.stdout.strip().splitlines()[-1])
     second, teams = grew["second"], grew["teams"]
-    assert second["objects"] < 100, f"Python objects accumulate: {grew}"
+    assert min(second["objects"], grew["third"]["objects"]) < 100, \
+        f"Python objects accumulate: {grew}"
     assert second["heap"] < 8 * 1024 and teams["heap"] < 8 * 1024, f"malloc'd heap grows: {grew}"
     assert second["maps"] < 4 * 2 ** 20 and teams["maps"] < 4 * 2 ** 20, grew
     for window in grew["traced"]:        # NumPy's own caches still settle: a few dozen blocks
