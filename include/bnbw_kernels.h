@@ -163,15 +163,30 @@ static void bnbw_scale_rows_portable(const float *dy, int64_t dy_row, float *dx,
 #define BNBW_HAVE_AVX2_KERNELS 1
 #define BNBW_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
+/* 8 halves of type dt (f16 or bf16) as 8 f32 lanes. */
+BNBW_AVX2_INLINE __m256 bnbw__widen8(__m128i h, int dt)
+{
+    if (dt == BNBW_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* Elements i..i+7 of a row of type dt as 8 f32 lanes. */
 BNBW_AVX2_INLINE __m256 bnbw_load8(const void *row, int64_t i, int dt)
 {
     if (dt == BNBW_F32)
         return _mm256_loadu_ps((const float *)row + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)(const void *)((const uint16_t *)row + i));
+    return bnbw__widen8(_mm_loadu_si128((const __m128i *)(const void *)((const uint16_t *)row + i)),
+                        dt);
+}
+
+/* lo, hi as 16 halves of type dt (f16 or bf16), rounded as bnbw_store16 says. */
+BNBW_AVX2_INLINE __m256i bnbw__narrow16(__m256 lo, __m256 hi, int dt)
+{
     if (dt == BNBW_F16)
-        return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        return _mm256_set_m128i(_mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT),
+                                _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
+    return bnbw__bf16_pack16(lo, hi);
 }
 
 /* Elements i..i+15 of a row of type dt = lo (i..i+7), hi (i+8..i+15), rounded to nearest even
@@ -184,12 +199,64 @@ BNBW_AVX2_INLINE void bnbw_store16(void *row, int64_t i, __m256 lo, __m256 hi, i
         _mm256_storeu_ps((float *)row + i + 8, hi);
         return;
     }
-    __m256i *dst = (__m256i *)(void *)((uint16_t *)row + i);
-    if (dt == BNBW_F16)
-        _mm256_storeu_si256(dst, _mm256_set_m128i(_mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT),
-                                                  _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT)));
-    else
-        _mm256_storeu_si256(dst, bnbw__bf16_pack16(lo, hi));
+    _mm256_storeu_si256((__m256i *)(void *)((uint16_t *)row + i), bnbw__narrow16(lo, hi, dt));
+}
+
+/* Runs of t < 16 elements - the end of a channel-major row, the last channels of channel-last
+ * rows - go through 16-lane registers too, so that every size runs at vector speed: masked
+ * loads and stores touch only the t elements (halves: t/2 whole 32-bit pairs, and the odd one
+ * alone), lanes t.. load as zeros and are never stored.  Per element the arithmetic is the
+ * same as in full runs. */
+
+/* Mask of the 32-bit lanes l < t (any t). */
+BNBW_AVX2_INLINE __m256i bnbw__lanes_below(int64_t t)
+{
+    int k = t < 0 ? 0 : (t > 8 ? 8 : (int)t);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+BNBW_AVX2_INLINE void bnbw_load_part16(const void *row, int64_t i, int64_t t, int dt,
+                                       __m256 *lo, __m256 *hi)
+{
+    if (dt == BNBW_F32) {
+        const float *p = (const float *)row + i;
+        *lo = _mm256_maskload_ps(p, bnbw__lanes_below(t));
+        *hi = _mm256_maskload_ps(p + 8, bnbw__lanes_below(t - 8));
+        return;
+    }
+    const uint16_t *p = (const uint16_t *)row + i;
+    __m256i w = _mm256_maskload_epi32((const int *)(const void *)p, bnbw__lanes_below(t / 2));
+    if (t & 1)      /* the odd last element: the low half of pair t / 2 */
+        w = _mm256_blendv_epi8(w, _mm256_set1_epi32(p[t - 1]),
+                               _mm256_cmpeq_epi32(_mm256_set1_epi32((int)(t / 2)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    *lo = bnbw__widen8(_mm256_castsi256_si128(w), dt);
+    *hi = bnbw__widen8(_mm256_extracti128_si256(w, 1), dt);
+}
+
+BNBW_AVX2_INLINE void bnbw_store_part16(void *row, int64_t i, int64_t t, __m256 lo, __m256 hi,
+                                        int dt)
+{
+    if (dt == BNBW_F32) {
+        float *p = (float *)row + i;
+        _mm256_maskstore_ps(p, bnbw__lanes_below(t), lo);
+        _mm256_maskstore_ps(p + 8, bnbw__lanes_below(t - 8), hi);
+        return;
+    }
+    uint16_t *p = (uint16_t *)row + i;
+    __m256i h = bnbw__narrow16(lo, hi, dt);
+    _mm256_maskstore_epi32((int *)(void *)p, bnbw__lanes_below(t / 2), h);
+    if (t & 1)      /* the low half of pair t / 2, moved to lane 0 (no stack buffer: that
+                       would give every caller an aligned stack frame) */
+        p[t - 1] = (uint16_t)_mm256_cvtsi256_si32(
+            _mm256_permutevar8x32_epi32(h, _mm256_set1_epi32((int)(t / 2))));
+}
+
+/* The t < 16 values v[0..t) in 16 lanes, zeros after. */
+BNBW_AVX2_INLINE void bnbw_pad16(const float *v, int64_t t, float out[16])
+{
+    memset(out, 0, 16 * sizeof(float));
+    memcpy(out, v, (size_t)t * sizeof(float));
 }
 
 /* dy (GA, GB) and x - mean (DA, DB) for 16 consecutive elements: adds dy to g0..g3 and the
@@ -222,16 +289,19 @@ BNBW_AVX2_INLINE void bnbw_reduce_row_body(const void *x, const void *dy, int64_
                           _mm256_sub_ps(bnbw_load8(x, i, dt), m),
                           _mm256_sub_ps(bnbw_load8(x, i + 8, dt), m));
     if (i < n) {
-        /* the last n - i < 16 elements in lanes 0.., the other lanes padded with an exact
+        /* the last t = n - i < 16 elements in lanes 0.., the other lanes padded with an exact
            identity: dy = -0.0 and x - mean = +0.0 add -0.0 to both sums, and s + -0.0 == s
            for every s, signed zeros included */
-        float dt_[BNBW_LANES], gt_[BNBW_LANES];
-        for (int l = 0; l < BNBW_LANES; ++l) {
-            dt_[l] = i + l < n ? bnbw_get(x, i + l, dt) - mean : 0.0f;
-            gt_[l] = i + l < n ? bnbw_get(dy, i + l, dt) : -0.0f;
-        }
-        BNBW_ACCUMULATE16(_mm256_loadu_ps(gt_), _mm256_loadu_ps(gt_ + 8),
-                          _mm256_loadu_ps(dt_), _mm256_loadu_ps(dt_ + 8));
+        int64_t t = n - i;
+        __m256 xa, xb, ya, yb;
+        bnbw_load_part16(x, i, t, dt, &xa, &xb);
+        bnbw_load_part16(dy, i, t, dt, &ya, &yb);
+        const __m256 ka = _mm256_castsi256_ps(bnbw__lanes_below(t));
+        const __m256 kb = _mm256_castsi256_ps(bnbw__lanes_below(t - 8));
+        const __m256 neg0 = _mm256_set1_ps(-0.0f);
+        BNBW_ACCUMULATE16(_mm256_blendv_ps(neg0, ya, ka), _mm256_blendv_ps(neg0, yb, kb),
+                          _mm256_and_ps(_mm256_sub_ps(xa, m), ka),
+                          _mm256_and_ps(_mm256_sub_ps(xb, m), kb));
     }
     /* bnbw_reduce_row_finish's pairwise tree, in registers: lanes l += l + 8 (registers 0, 1
        += 2, 3), l += l + 4, l += l + 2 (the two halves of register 0), l += l + 1 */
@@ -255,8 +325,18 @@ BNBW_AVX2_INLINE void bnbw_apply_row_body(const void *x, const void *dy, void *d
     for (; i + 16 <= n; i += 16)
         bnbw_store16(dx, i, BNBW_APPLY8(i), BNBW_APPLY8(i + 8), dt);
 #undef BNBW_APPLY8
-    for (; i < n; ++i)
-        bnbw_put(dx, i, dt, (k1 * bnbw_get(dy, i, dt) + k2 * (bnbw_get(x, i, dt) - mean)) + k3);
+    if (n - i <= 2) {              /* one or two left: cheaper one by one */
+        for (; i < n; ++i)
+            bnbw_put(dx, i, dt, (k1 * bnbw_get(dy, i, dt) + k2 * (bnbw_get(x, i, dt) - mean)) + k3);
+    } else {                       /* the last n - i < 16 elements, padded to 16 lanes */
+        __m256 xa, xb, ya, yb;
+        bnbw_load_part16(x, i, n - i, dt, &xa, &xb);
+        bnbw_load_part16(dy, i, n - i, dt, &ya, &yb);
+#define BNBW_APPLY(X, G) _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(a, (G)),                \
+                                                      _mm256_mul_ps(b, _mm256_sub_ps((X), m))), k)
+        bnbw_store_part16(dx, i, n - i, BNBW_APPLY(xa, ya), BNBW_APPLY(xb, yb), dt);
+#undef BNBW_APPLY
+    }
 }
 
 BNBW_AVX2_INLINE void bnbw_scale_row_body(const void *dy, void *dx, int64_t n, float k1, int dt)
@@ -266,8 +346,14 @@ BNBW_AVX2_INLINE void bnbw_scale_row_body(const void *dy, void *dx, int64_t n, f
     for (; i + 16 <= n; i += 16)
         bnbw_store16(dx, i, _mm256_mul_ps(a, bnbw_load8(dy, i, dt)),
                      _mm256_mul_ps(a, bnbw_load8(dy, i + 8, dt)), dt);
-    for (; i < n; ++i)
-        bnbw_put(dx, i, dt, k1 * bnbw_get(dy, i, dt));
+    if (n - i <= 2) {              /* as in bnbw_apply_row_body */
+        for (; i < n; ++i)
+            bnbw_put(dx, i, dt, k1 * bnbw_get(dy, i, dt));
+    } else {
+        __m256 ya, yb;
+        bnbw_load_part16(dy, i, n - i, dt, &ya, &yb);
+        bnbw_store_part16(dx, i, n - i, _mm256_mul_ps(a, ya), _mm256_mul_ps(a, yb), dt);
+    }
 }
 
 /* Row strides are in elements.  Rows go four at a time: for each run of 16 channels the sums
@@ -302,12 +388,30 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
             _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
         }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = n16; c < n; ++c) {
-            float g = bnbw_get(dy, r * dy_row + c, dt);
-            sum_g[c] += (double)g;
-            sum_xg[c] += (double)(bnbw_get(x, r * x_row + c, dt) - mean[c]) * (double)g;
+    if (n16 < n && rows > 0) {     /* the last t < 16 channels: sums in registers, all rows */
+        int64_t t = n - n16;
+        float m_[16];
+        double sg[16] = {0}, sxg[16] = {0};
+        bnbw_pad16(mean + n16, t, m_);
+        memcpy(sg, sum_g + n16, (size_t)t * sizeof(double));
+        memcpy(sxg, sum_xg + n16, (size_t)t * sizeof(double));
+        __m256d g0 = _mm256_loadu_pd(sg), g1 = _mm256_loadu_pd(sg + 4);
+        __m256d g2 = _mm256_loadu_pd(sg + 8), g3 = _mm256_loadu_pd(sg + 12);
+        __m256d p0 = _mm256_loadu_pd(sxg), p1 = _mm256_loadu_pd(sxg + 4);
+        __m256d p2 = _mm256_loadu_pd(sxg + 8), p3 = _mm256_loadu_pd(sxg + 12);
+        const __m256 ma = _mm256_loadu_ps(m_), mb = _mm256_loadu_ps(m_ + 8);
+        for (int64_t r = 0; r < rows; ++r) {
+            __m256 xa, xb, ya, yb;
+            bnbw_load_part16(x, r * x_row + n16, t, dt, &xa, &xb);
+            bnbw_load_part16(dy, r * dy_row + n16, t, dt, &ya, &yb);
+            BNBW_ACCUMULATE16(ya, yb, _mm256_sub_ps(xa, ma), _mm256_sub_ps(xb, mb));
         }
+        _mm256_storeu_pd(sg, g0); _mm256_storeu_pd(sg + 4, g1);
+        _mm256_storeu_pd(sg + 8, g2); _mm256_storeu_pd(sg + 12, g3);
+        _mm256_storeu_pd(sxg, p0); _mm256_storeu_pd(sxg + 4, p1);
+        _mm256_storeu_pd(sxg + 8, p2); _mm256_storeu_pd(sxg + 12, p3);
+        memcpy(sum_g + n16, sg, (size_t)t * sizeof(double));
+        memcpy(sum_xg + n16, sxg, (size_t)t * sizeof(double));
     }
 }
 
@@ -327,9 +431,24 @@ BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const v
         for (; c + 16 <= n; c += 16)
             bnbw_store16(dx, di + c, BNBW_APPLY8(c), BNBW_APPLY8(c + 8), dt);
 #undef BNBW_APPLY8
-        for (; c < n; ++c)
-            bnbw_put(dx, di + c, dt, (k1[c] * bnbw_get(dy, gi + c, dt)
-                                      + k2[c] * (bnbw_get(x, xi + c, dt) - mean[c])) + k3[c]);
+    }
+    if (n % 16 && rows > 0) {      /* the last t < 16 channels, padded to 16 lanes */
+        int64_t c = n - n % 16, t = n - c;
+        float m_[16], a_[16], b_[16], k_[16];
+        bnbw_pad16(mean + c, t, m_); bnbw_pad16(k1 + c, t, a_);
+        bnbw_pad16(k2 + c, t, b_); bnbw_pad16(k3 + c, t, k_);
+#define BNBW_APPLY(X, G, j) _mm256_add_ps(_mm256_add_ps(                                   \
+        _mm256_mul_ps(_mm256_loadu_ps(a_ + (j)), (G)),                                     \
+        _mm256_mul_ps(_mm256_loadu_ps(b_ + (j)), _mm256_sub_ps((X), _mm256_loadu_ps(m_ + (j))))), \
+        _mm256_loadu_ps(k_ + (j)))
+        for (int64_t r = 0; r < rows; ++r) {
+            __m256 xa, xb, ya, yb;
+            bnbw_load_part16(x, r * x_row + c, t, dt, &xa, &xb);
+            bnbw_load_part16(dy, r * dy_row + c, t, dt, &ya, &yb);
+            bnbw_store_part16(dx, r * dx_row + c, t, BNBW_APPLY(xa, ya, 0), BNBW_APPLY(xb, yb, 8),
+                              dt);
+        }
+#undef BNBW_APPLY
     }
 }
 
@@ -344,8 +463,18 @@ BNBW_AVX2_INLINE void bnbw_scale_rows_body(const void *dy, int64_t dy_row, void 
                          _mm256_mul_ps(_mm256_loadu_ps(k1 + c), bnbw_load8(dy, gi + c, dt)),
                          _mm256_mul_ps(_mm256_loadu_ps(k1 + c + 8), bnbw_load8(dy, gi + c + 8, dt)),
                          dt);
-        for (; c < n; ++c)
-            bnbw_put(dx, di + c, dt, k1[c] * bnbw_get(dy, gi + c, dt));
+    }
+    if (n % 16 && rows > 0) {      /* the last t < 16 channels, as in bnbw_apply_rows_body */
+        int64_t c = n - n % 16, t = n - c;
+        float a_[16];
+        bnbw_pad16(k1 + c, t, a_);
+        const __m256 aa = _mm256_loadu_ps(a_), ab = _mm256_loadu_ps(a_ + 8);
+        for (int64_t r = 0; r < rows; ++r) {
+            __m256 ya, yb;
+            bnbw_load_part16(dy, r * dy_row + c, t, dt, &ya, &yb);
+            bnbw_store_part16(dx, r * dx_row + c, t, _mm256_mul_ps(aa, ya), _mm256_mul_ps(ab, yb),
+                              dt);
+        }
     }
 }
 

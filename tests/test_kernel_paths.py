@@ -5,8 +5,10 @@ converted in registers); elsewhere halves and strided rows are converted into f3
 portable f32 kernels.  Both must compute the same thing in the same order, so every output is
 compared bit for bit with the engine forced onto the portable bodies.  The shapes put tails
 everywhere: rows that are not a multiple of 16 or 8 elements, rows longer than one staging tile
-(2048), channel counts with 8- and 16-wide runs plus leftovers; NaN and infinity inputs check
-that both paths round special values alike (NaN payloads and signs aside).
+(2048), channel counts with 8- and 16-wide runs plus leftovers of every kind (the AVX2 bodies
+take a leftover of 3 to 15 elements with masked loads and stores, of one or two one by one); NaN
+and infinity inputs check that both paths round special values alike (NaN payloads and signs
+aside).
 """
 import numpy as np
 import pytest
@@ -25,6 +27,10 @@ SHAPES = [  # (shape, data_format)
     ((5, 6, 7, 40), "NXC"),         # 16 + 16 + 8
     ((9, 3, 131), "NXC"),           # 8 runs of 16 + 3
     ((600, 64), "NXC"),
+    ((5, 300), "NXC"),              # 18 runs of 16 + 12
+    ((3, 4, 7, 7), "NCX"),          # rows of 49: a tail of one
+    ((6, 2, 34), "NCX"),            # a tail of two
+    ((11, 17), "NXC"),              # one channel after a run of 16
 ]
 
 
@@ -90,18 +96,21 @@ def test_direct_kernels_match_portable_bodies(rng, dtype, shape, data_format, nu
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("layout", ["contiguous", "sliced", "negative"])
-def test_in_place_and_strided_operands_match_portable_bodies(rng, dtype, layout):
+@pytest.mark.parametrize("shape,data_format", [((6, 21, 45), "NCX"), ((6, 7, 300), "NXC")],
+                         ids=str)
+def test_in_place_and_strided_operands_match_portable_bodies(rng, dtype, layout, shape,
+                                                             data_format):
     """dx written over dy (direct kernels read and write one buffer), and strided operands
     (staged through tiles on both paths) next to unit-stride ones."""
-    shape = (6, 21, 45)
-    x, dy, mean, var, gamma = _inputs(rng, shape, dtype, "NCX", special=False)
+    x, dy, mean, var, gamma = _inputs(rng, shape, dtype, data_format, special=False)
     x = make_layout(x, layout)
 
     def call():
         dx, dg, db = batchnorm_training_backward(x, make_layout(dy, layout), mean, var, gamma,
-                                                 epsilon=1e-5, data_format="NCX")
+                                                 epsilon=1e-5, data_format=data_format)
         buf = make_layout(dy, layout)
-        batchnorm_training_backward(x, buf, mean, var, gamma, epsilon=1e-5, data_format="NCX",
+        batchnorm_training_backward(x, buf, mean, var, gamma, epsilon=1e-5,
+                                    data_format=data_format,
                                     out=(buf, np.empty_like(dg), np.empty_like(db)))
         np.testing.assert_array_equal(_bits(buf), _bits(dx))   # in place == out of place
         return dx, dg, db
@@ -135,6 +144,28 @@ def test_padding_of_short_rows_adds_nothing(rng, dtype, shape, data_format):
     assert np.isneginf(float(fast[1][0])) and np.isneginf(float(portable[1][0]))
     for got, want in zip(fast, portable):
         np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape,data_format,pad", [((5, 3, 7, 7), "NCX", 3), ((4, 3, 34), "NCX", 1),
+                                                   ((4, 3, 19), "NCX", 2), ((40, 17), "NXC", 5),
+                                                   ((40, 27), "NXC", 1), ((40, 10), "NXC", 3)],
+                         ids=str)
+@pytest.mark.parametrize("num_outputs", [3, 1])
+def test_row_tails_write_only_their_elements(rng, dtype, shape, data_format, pad, num_outputs):
+    """The last elements of a row (fewer than 16) are loaded and stored with masks: dx as a
+    view whose rows are followed by `pad` sentinel elements, which must keep their bits."""
+    x, dy, mean, var, gamma = _inputs(rng, shape, dtype, data_format, special=False)
+    buffer = np.full(shape[:-1] + (shape[-1] + pad,), 7.0, np.float32).astype(dtype)
+    before = _bits(buffer).copy()
+    dx = buffer[..., :shape[-1]]
+    stats = (np.empty_like(gamma), np.empty_like(gamma))[:num_outputs - 1]
+    fresh = batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                        data_format=data_format, num_outputs=num_outputs)
+    batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5, data_format=data_format,
+                                num_outputs=num_outputs, out=(dx,) + stats)
+    np.testing.assert_array_equal(_bits(dx), _bits(fresh[0]))
+    np.testing.assert_array_equal(_bits(buffer)[..., shape[-1]:], before[..., shape[-1]:])
 
 
 def test_forcing_the_portable_bodies_is_visible():
