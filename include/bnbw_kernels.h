@@ -252,11 +252,12 @@ BNBW_AVX2_INLINE void bnbw_store_part16(void *row, int64_t i, int64_t t, __m256 
             _mm256_permutevar8x32_epi32(h, _mm256_set1_epi32((int)(t / 2))));
 }
 
-/* The t < 16 values v[0..t) in 16 lanes, zeros after. */
-BNBW_AVX2_INLINE void bnbw_pad16(const float *v, int64_t t, float out[16])
+/* dx = k1*dy + k2*(x - mean) + k3 on 8 lanes, rounded where the portable bodies round. */
+BNBW_AVX2_INLINE __m256 bnbw__apply8(__m256 x, __m256 g, __m256 m, __m256 k1, __m256 k2,
+                                     __m256 k3)
 {
-    memset(out, 0, 16 * sizeof(float));
-    memcpy(out, v, (size_t)t * sizeof(float));
+    return _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(k1, g), _mm256_mul_ps(k2, _mm256_sub_ps(x, m))),
+                         k3);
 }
 
 /* dy (GA, GB) and x - mean (DA, DB) for 16 consecutive elements: adds dy to g0..g3 and the
@@ -319,9 +320,7 @@ BNBW_AVX2_INLINE void bnbw_apply_row_body(const void *x, const void *dy, void *d
     const __m256 m = _mm256_set1_ps(mean), a = _mm256_set1_ps(k1);
     const __m256 b = _mm256_set1_ps(k2), k = _mm256_set1_ps(k3);
     int64_t i = 0;
-#define BNBW_APPLY8(j) _mm256_add_ps(_mm256_add_ps(                                        \
-        _mm256_mul_ps(a, bnbw_load8(dy, (j), dt)),                                         \
-        _mm256_mul_ps(b, _mm256_sub_ps(bnbw_load8(x, (j), dt), m))), k)
+#define BNBW_APPLY8(j) bnbw__apply8(bnbw_load8(x, (j), dt), bnbw_load8(dy, (j), dt), m, a, b, k)
     for (; i + 16 <= n; i += 16)
         bnbw_store16(dx, i, BNBW_APPLY8(i), BNBW_APPLY8(i + 8), dt);
 #undef BNBW_APPLY8
@@ -332,10 +331,8 @@ BNBW_AVX2_INLINE void bnbw_apply_row_body(const void *x, const void *dy, void *d
         __m256 xa, xb, ya, yb;
         bnbw_load_part16(x, i, n - i, dt, &xa, &xb);
         bnbw_load_part16(dy, i, n - i, dt, &ya, &yb);
-#define BNBW_APPLY(X, G) _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(a, (G)),                \
-                                                      _mm256_mul_ps(b, _mm256_sub_ps((X), m))), k)
-        bnbw_store_part16(dx, i, n - i, BNBW_APPLY(xa, ya), BNBW_APPLY(xb, yb), dt);
-#undef BNBW_APPLY
+        bnbw_store_part16(dx, i, n - i, bnbw__apply8(xa, ya, m, a, b, k),
+                          bnbw__apply8(xb, yb, m, a, b, k), dt);
     }
 }
 
@@ -388,18 +385,17 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
             _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
         }
     }
-    if (n16 < n && rows > 0) {     /* the last t < 16 channels: sums in registers, all rows */
+    if (n16 < n) {                 /* the last t < 16 channels: sums in registers, all rows */
         int64_t t = n - n16;
-        float m_[16];
         double sg[16] = {0}, sxg[16] = {0};
-        bnbw_pad16(mean + n16, t, m_);
+        __m256 ma, mb;
+        bnbw_load_part16(mean, n16, t, BNBW_F32, &ma, &mb);
         memcpy(sg, sum_g + n16, (size_t)t * sizeof(double));
         memcpy(sxg, sum_xg + n16, (size_t)t * sizeof(double));
         __m256d g0 = _mm256_loadu_pd(sg), g1 = _mm256_loadu_pd(sg + 4);
         __m256d g2 = _mm256_loadu_pd(sg + 8), g3 = _mm256_loadu_pd(sg + 12);
         __m256d p0 = _mm256_loadu_pd(sxg), p1 = _mm256_loadu_pd(sxg + 4);
         __m256d p2 = _mm256_loadu_pd(sxg + 8), p3 = _mm256_loadu_pd(sxg + 12);
-        const __m256 ma = _mm256_loadu_ps(m_), mb = _mm256_loadu_ps(m_ + 8);
         for (int64_t r = 0; r < rows; ++r) {
             __m256 xa, xb, ya, yb;
             bnbw_load_part16(x, r * x_row + n16, t, dt, &xa, &xb);
@@ -423,32 +419,27 @@ BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const v
 {
     for (int64_t r = 0; r < rows; ++r) {
         int64_t xi = r * x_row, gi = r * dy_row, di = r * dx_row, c = 0;
-#define BNBW_APPLY8(j) _mm256_add_ps(_mm256_add_ps(                                        \
-        _mm256_mul_ps(_mm256_loadu_ps(k1 + (j)), bnbw_load8(dy, gi + (j), dt)),            \
-        _mm256_mul_ps(_mm256_loadu_ps(k2 + (j)),                                           \
-                      _mm256_sub_ps(bnbw_load8(x, xi + (j), dt), _mm256_loadu_ps(mean + (j))))), \
-        _mm256_loadu_ps(k3 + (j)))
+#define BNBW_APPLY8(j) bnbw__apply8(bnbw_load8(x, xi + (j), dt), bnbw_load8(dy, gi + (j), dt), \
+                                   _mm256_loadu_ps(mean + (j)), _mm256_loadu_ps(k1 + (j)),     \
+                                   _mm256_loadu_ps(k2 + (j)), _mm256_loadu_ps(k3 + (j)))
         for (; c + 16 <= n; c += 16)
             bnbw_store16(dx, di + c, BNBW_APPLY8(c), BNBW_APPLY8(c + 8), dt);
 #undef BNBW_APPLY8
     }
-    if (n % 16 && rows > 0) {      /* the last t < 16 channels, padded to 16 lanes */
+    if (n % 16) {                  /* the last t < 16 channels, padded to 16 lanes */
         int64_t c = n - n % 16, t = n - c;
-        float m_[16], a_[16], b_[16], k_[16];
-        bnbw_pad16(mean + c, t, m_); bnbw_pad16(k1 + c, t, a_);
-        bnbw_pad16(k2 + c, t, b_); bnbw_pad16(k3 + c, t, k_);
-#define BNBW_APPLY(X, G, j) _mm256_add_ps(_mm256_add_ps(                                   \
-        _mm256_mul_ps(_mm256_loadu_ps(a_ + (j)), (G)),                                     \
-        _mm256_mul_ps(_mm256_loadu_ps(b_ + (j)), _mm256_sub_ps((X), _mm256_loadu_ps(m_ + (j))))), \
-        _mm256_loadu_ps(k_ + (j)))
+        __m256 ma, mb, aa, ab, ba, bb, ka, kb;
+        bnbw_load_part16(mean, c, t, BNBW_F32, &ma, &mb);
+        bnbw_load_part16(k1, c, t, BNBW_F32, &aa, &ab);
+        bnbw_load_part16(k2, c, t, BNBW_F32, &ba, &bb);
+        bnbw_load_part16(k3, c, t, BNBW_F32, &ka, &kb);
         for (int64_t r = 0; r < rows; ++r) {
             __m256 xa, xb, ya, yb;
             bnbw_load_part16(x, r * x_row + c, t, dt, &xa, &xb);
             bnbw_load_part16(dy, r * dy_row + c, t, dt, &ya, &yb);
-            bnbw_store_part16(dx, r * dx_row + c, t, BNBW_APPLY(xa, ya, 0), BNBW_APPLY(xb, yb, 8),
-                              dt);
+            bnbw_store_part16(dx, r * dx_row + c, t, bnbw__apply8(xa, ya, ma, aa, ba, ka),
+                              bnbw__apply8(xb, yb, mb, ab, bb, kb), dt);
         }
-#undef BNBW_APPLY
     }
 }
 
@@ -464,11 +455,10 @@ BNBW_AVX2_INLINE void bnbw_scale_rows_body(const void *dy, int64_t dy_row, void 
                          _mm256_mul_ps(_mm256_loadu_ps(k1 + c + 8), bnbw_load8(dy, gi + c + 8, dt)),
                          dt);
     }
-    if (n % 16 && rows > 0) {      /* the last t < 16 channels, as in bnbw_apply_rows_body */
+    if (n % 16) {                  /* the last t < 16 channels, as in bnbw_apply_rows_body */
         int64_t c = n - n % 16, t = n - c;
-        float a_[16];
-        bnbw_pad16(k1 + c, t, a_);
-        const __m256 aa = _mm256_loadu_ps(a_), ab = _mm256_loadu_ps(a_ + 8);
+        __m256 aa, ab;
+        bnbw_load_part16(k1, c, t, BNBW_F32, &aa, &ab);
         for (int64_t r = 0; r < rows; ++r) {
             __m256 ya, yb;
             bnbw_load_part16(dy, r * dy_row + c, t, dt, &ya, &yb);
