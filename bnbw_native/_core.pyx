@@ -83,6 +83,15 @@ cdef extern from "bnbw_kernels.h" nogil:
                          const float *k1, const float *k2, const float *k3, int dt)
     void bnbw_scale_rows(const void *dy, int64_t dy_row, void *dx, int64_t dx_row,
                          int64_t rows, int64_t n, const float *k1, int dt)
+    void bnbw_reduce_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
+                             int64_t n, int64_t count, const float *mean, double *sums,
+                             int64_t sums_step, int dt)
+    void bnbw_apply_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
+                            void *dx, int64_t dx_step, int64_t n, int64_t count,
+                            const float *mean, const float *k1, const float *k2,
+                            const float *k3, int dt)
+    void bnbw_scale_row_run(const void *dy, int64_t dy_step, void *dx, int64_t dx_step,
+                            int64_t n, int64_t count, const float *k1, int dt)
     int bnbw_kernels_take(int dt)
     int bnbw_avx2_kernels()
 
@@ -466,20 +475,47 @@ cdef void sweep_block(const Plan *p, const Operands *o, int64_t b, int64_t c_lo,
     channels c_lo..c_hi in turn.  NCX rows of one n and consecutive channels are adjacent, so
     this streams through memory where a channel at a time jumps a page per short row.  The
     block sum of channel c, partial[2*(c*nblocks + b)], adds the same rows in the same order as
-    major_block(c, b)."""
+    major_block(c, b).  Rows the kernels take in place, of channels a fixed stride apart, go
+    to them as one run per outer row (row_run): same row sums, one call instead of c_hi - c_lo."""
     cdef int64_t k = p.block // p.inner_size
     cdef int64_t row, c, r_end = imin((b + 1) * k, p.count // p.inner_size)
     cdef int64_t off[3]
     cdef double *sums
+    cdef bint runs = (o.direct and p.chan_offset[SLOT_X] == NULL
+                      and p.chan_offset[SLOT_DY] == NULL and p.chan_offset[SLOT_DX] == NULL)
     if what & DO_REDUCE:
         for c in range(c_lo, c_hi):
             partial[2 * (c * p.nblocks + b)] = 0.0
             partial[2 * (c * p.nblocks + b) + 1] = 0.0
     for row in range(b * k, r_end):
         row_origin(p, row, off)
+        if runs:
+            row_run(p, o, off, c_lo, c_hi, what,
+                    partial + 2 * (c_lo * p.nblocks + b) if partial != NULL else NULL)
+            continue
         for c in range(c_lo, c_hi):
             sums = partial + 2 * (c * p.nblocks + b) if partial != NULL else NULL
             row_span(p, o, c, off, 0, p.inner_size, what, tiles, sums)
+
+
+cdef inline void row_run(const Plan *p, const Operands *o, const int64_t *off, int64_t c_lo,
+                         int64_t c_hi, int what, double *sums) noexcept nogil:
+    """The whole rows (shorter than TILE) of channels c_lo..c_hi at row origin `off`, in place,
+    one kernel call per step; `sums` is channel c_lo's block sum, the next 2 * nblocks on.
+    Row by row it does what row_span does: reduce, then apply or scale."""
+    cdef int64_t L = p.inner_size, n = c_hi - c_lo
+    cdef int64_t sx = p.chan_stride[SLOT_X], sg = p.chan_stride[SLOT_DY]
+    cdef int64_t sd = p.chan_stride[SLOT_DX]
+    cdef const char *x = o.x + off[0] + sx * c_lo
+    cdef const char *g = o.dy + off[1] + sg * c_lo
+    cdef char *d = o.dx + off[2] + sd * c_lo if what & (DO_APPLY | DO_SCALE) else NULL
+    if what & DO_REDUCE:
+        bnbw_reduce_row_run(x, sx, g, sg, L, n, o.mean + c_lo, sums, 2 * p.nblocks, o.kdt)
+    if what & DO_APPLY:
+        bnbw_apply_row_run(x, sx, g, sg, d, sd, L, n, o.mean + c_lo, o.k1 + c_lo, o.k2 + c_lo,
+                           o.k3 + c_lo, o.kdt)
+    elif what & DO_SCALE:
+        bnbw_scale_row_run(g, sg, d, sd, L, n, o.k1 + c_lo, o.kdt)
 
 
 cdef inline const char *stage_rows(const Plan *p, const Operands *o, const char *base, int t,

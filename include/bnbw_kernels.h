@@ -1,7 +1,7 @@
 /*
  * bnbw_kernels.h - the contiguous inner loops of the bnbw_native engine.
  *
- * Every hot loop of the package is one of the six kernels below; the Cython layer
+ * Every hot loop of the package is one of the kernels below; the Cython layer
  * (bnbw_native/_core.pyx) only plans, partitions and dispatches.  A kernel reads and writes
  * rows of one storage type `dt` (f32, f16 or bf16, unit stride) and computes in f32/f64:
  *
@@ -9,6 +9,10 @@
  *   bnbw_reduce_row   Sum dy, Sum (x - mean) * dy          bnbw_reduce_rows
  *   bnbw_apply_row    dx = k1*dy + k2*(x - mean) + k3      bnbw_apply_rows
  *   bnbw_scale_row    dx = k1*dy (frozen statistics)       bnbw_scale_rows
+ *
+ * bnbw_{reduce,apply,scale}_row_run take a run of short channel-major rows of adjacent channels
+ * in one call (the same row bodies in a loop): on 7x7 rows the fixed work of one call per row
+ * cost as much as the row.
  *
  * Two bodies per kernel.  The AVX2 body (x86 with AVX2+FMA+F16C, picked at run time) converts
  * halves in registers - F16C for f16, a shift for bf16 - so 16-bit data costs half the memory
@@ -509,6 +513,64 @@ BNBW_AVX2_KERNEL bnbw_scale_rows_avx2(const void *dy, int64_t dy_row, void *dx, 
                                       int64_t rows, int64_t n, const float *k1, int dt)
 { BNBW_PER_TYPE(dt, bnbw_scale_rows_body(dy, dy_row, dx, dx_row, rows, n, k1, T)); }
 
+/* Runs of short rows (see bnbw_reduce_row_run): the row bodies in a loop, one call. */
+BNBW_AVX2_INLINE void bnbw__reduce_run_body(const char *x, int64_t x_step, const char *dy,
+                                            int64_t dy_step, int64_t n, int64_t count,
+                                            const float *mean, double *sums, int64_t sums_step,
+                                            int dt)
+{
+    for (int64_t r = 0; r < count; ++r, x += x_step, dy += dy_step, sums += sums_step) {
+        double part[2];
+        bnbw_reduce_row_body(x, dy, n, mean[r], part, dt);
+        sums[0] += part[0];
+        sums[1] += part[1];
+    }
+}
+
+BNBW_AVX2_INLINE void bnbw__apply_run_body(const char *x, int64_t x_step, const char *dy,
+                                           int64_t dy_step, char *dx, int64_t dx_step,
+                                           int64_t n, int64_t count, const float *mean,
+                                           const float *k1, const float *k2, const float *k3,
+                                           int dt)
+{
+    for (int64_t r = 0; r < count; ++r, x += x_step, dy += dy_step, dx += dx_step)
+        bnbw_apply_row_body(x, dy, dx, n, mean[r], k1[r], k2[r], k3[r], dt);
+}
+
+BNBW_AVX2_INLINE void bnbw__scale_run_body(const char *dy, int64_t dy_step, char *dx,
+                                           int64_t dx_step, int64_t n, int64_t count,
+                                           const float *k1, int dt)
+{
+    for (int64_t r = 0; r < count; ++r, dy += dy_step, dx += dx_step)
+        bnbw_scale_row_body(dy, dx, n, k1[r], dt);
+}
+
+BNBW_AVX2_KERNEL bnbw_reduce_row_run_avx2(const void *x, int64_t x_step, const void *dy,
+                                          int64_t dy_step, int64_t n, int64_t count,
+                                          const float *mean, double *sums, int64_t sums_step,
+                                          int dt)
+{
+    BNBW_PER_TYPE(dt, bnbw__reduce_run_body((const char *)x, x_step, (const char *)dy, dy_step,
+                                            n, count, mean, sums, sums_step, T));
+}
+
+BNBW_AVX2_KERNEL bnbw_apply_row_run_avx2(const void *x, int64_t x_step, const void *dy,
+                                         int64_t dy_step, void *dx, int64_t dx_step, int64_t n,
+                                         int64_t count, const float *mean, const float *k1,
+                                         const float *k2, const float *k3, int dt)
+{
+    BNBW_PER_TYPE(dt, bnbw__apply_run_body((const char *)x, x_step, (const char *)dy, dy_step,
+                                           (char *)dx, dx_step, n, count, mean, k1, k2, k3, T));
+}
+
+BNBW_AVX2_KERNEL bnbw_scale_row_run_avx2(const void *dy, int64_t dy_step, void *dx,
+                                         int64_t dx_step, int64_t n, int64_t count,
+                                         const float *k1, int dt)
+{
+    BNBW_PER_TYPE(dt, bnbw__scale_run_body((const char *)dy, dy_step, (char *)dx, dx_step, n,
+                                           count, k1, T));
+}
+
 /* 1 when this CPU runs the AVX2 bodies (the same choice as bnbw_half.h's converters, and
  * switched off with them by bnbw_half_force_portable). */
 static inline int bnbw_avx2_kernels(void) { return bnbw__half_level(); }
@@ -574,6 +636,66 @@ static void bnbw_scale_rows(const void *dy, int64_t dy_row, void *dx, int64_t dx
 {
     BNBW_DISPATCH(bnbw_scale_rows_avx2(dy, dy_row, dx, dx_row, rows, n, k1, dt),
                   bnbw_scale_rows_portable(dy, dy_row, dx, dx_row, rows, n, k1));
+}
+
+/* Runs of `count` short channel-major rows of n elements, one call instead of one per row (the
+ * fixed work of a call matters on 7x7 rows): row r of x starts r * x_step bytes after x (dy,
+ * dx likewise) and has the statistics mean[r] (k1[r], k2[r], k3[r]).  The reduction adds row
+ * r's two sums, exactly as bnbw_reduce_row returns them, to sums[r * sums_step + 0, 1]. */
+static void bnbw_reduce_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
+                                int64_t n, int64_t count, const float *mean, double *sums,
+                                int64_t sums_step, int dt)
+{
+#ifdef BNBW_HAVE_AVX2_KERNELS
+    if (bnbw_avx2_kernels()) {
+        bnbw_reduce_row_run_avx2(x, x_step, dy, dy_step, n, count, mean, sums, sums_step, dt);
+        return;
+    }
+#endif
+    (void)dt;
+    for (int64_t r = 0; r < count; ++r) {     /* portable: direct rows are f32 */
+        double part[2];
+        bnbw_reduce_row_portable((const float *)(const void *)((const char *)x + r * x_step),
+                                 (const float *)(const void *)((const char *)dy + r * dy_step),
+                                 n, mean[r], part);
+        sums[r * sums_step] += part[0];
+        sums[r * sums_step + 1] += part[1];
+    }
+}
+
+static void bnbw_apply_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
+                               void *dx, int64_t dx_step, int64_t n, int64_t count,
+                               const float *mean, const float *k1, const float *k2,
+                               const float *k3, int dt)
+{
+#ifdef BNBW_HAVE_AVX2_KERNELS
+    if (bnbw_avx2_kernels()) {
+        bnbw_apply_row_run_avx2(x, x_step, dy, dy_step, dx, dx_step, n, count, mean, k1, k2, k3,
+                                dt);
+        return;
+    }
+#endif
+    (void)dt;
+    for (int64_t r = 0; r < count; ++r)
+        bnbw_apply_row_portable((const float *)(const void *)((const char *)x + r * x_step),
+                                (const float *)(const void *)((const char *)dy + r * dy_step),
+                                (float *)(void *)((char *)dx + r * dx_step), n, mean[r], k1[r],
+                                k2[r], k3[r]);
+}
+
+static void bnbw_scale_row_run(const void *dy, int64_t dy_step, void *dx, int64_t dx_step,
+                               int64_t n, int64_t count, const float *k1, int dt)
+{
+#ifdef BNBW_HAVE_AVX2_KERNELS
+    if (bnbw_avx2_kernels()) {
+        bnbw_scale_row_run_avx2(dy, dy_step, dx, dx_step, n, count, k1, dt);
+        return;
+    }
+#endif
+    (void)dt;
+    for (int64_t r = 0; r < count; ++r)
+        bnbw_scale_row_portable((const float *)(const void *)((const char *)dy + r * dy_step),
+                                (float *)(void *)((char *)dx + r * dx_step), n, k1[r]);
 }
 
 #endif /* BNBW_KERNELS_H */
