@@ -29,9 +29,9 @@ Determinism.  The reduction of a channel is cut into fixed blocks (BLOCK element
 channels), each block summed by one sequential function and the block sums added in block
 order.  Which thread runs a block, and how many threads there are, never enters the
 arithmetic, so every output is bit-identical for any thread count.  Schedules: channel-major
-with enough channels runs "fused": one thread reduces a channel (or, when rows are short, a
-group of adjacent channels in memory order) and applies it at once while its data is still in
-cache; otherwise reduce, combine, apply as three steps.  All add the same block sums in the
+with enough channels runs "fused": one thread reduces a group of adjacent channels in memory
+order (or one channel, when its rows are longer than a block) and applies it at once while its
+data is still in cache; otherwise reduce, combine, apply as three steps.  All add the same block sums in the
 same order.
 
 Accuracy.  Sums are f64 (lanes of f64 in the row kernel, f64 block sums, f64 combination) of
@@ -120,9 +120,10 @@ cdef enum:
     PARTIAL_BYTES = 1 << 16   # channel-last: upper bound on all blocks' sums, so they stay
                               # cached (2048 channels: 2 blocks, not 16; 18% faster)
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
-    SWEEP_BELOW = 1024    # channel-major rows shorter than this are visited in memory order
-                          # (56x56 rows: a channel at a time, fused, is faster; 14x14: sweep)
-    FUSE_BYTES = 1 << 19  # short rows, fused: x and dy of a channel group stay within half L2
+    FUSE_BYTES = 1 << 24  # fused: x and dy of the channel groups in flight (one per thread)
+                          # stay within half of a 32 MiB L3 (conv2 f32: 16 MiB 1.5x as fast
+                          # as 512 KiB, 2-16 MiB within 5% of each other)
+    FUSE_MIN = 1 << 19    # ... but never below half a 1 MiB L2
 
 cdef inline int64_t itemsize(int dtype) noexcept nogil:
     return 4 if dtype == DT_F32 else 2
@@ -473,15 +474,17 @@ cdef void sweep_block(const Plan *p, const Operands *o, int64_t b, int64_t c_lo,
                       int what, float *tiles, double *partial) noexcept nogil:
     """Channel-major in memory order: the rows of block b (whole rows: p.whole_rows), each for
     channels c_lo..c_hi in turn.  NCX rows of one n and consecutive channels are adjacent, so
-    this streams through memory where a channel at a time jumps a page per short row.  The
+    this streams through memory, where a channel at a time reads N short pieces far apart
+    (56x56 f32 from DRAM: 27 GB/s a channel at a time, 43 GB/s four channels at once).  The
     block sum of channel c, partial[2*(c*nblocks + b)], adds the same rows in the same order as
     major_block(c, b).  Rows the kernels take in place, of channels a fixed stride apart, go
-    to them as one run per outer row (row_run): same row sums, one call instead of c_hi - c_lo."""
+    to them as one run per outer row (row_run): same row sums, one call instead of c_hi - c_lo.
+    Rows longer than TILE go through row_span, which cuts them where every schedule does."""
     cdef int64_t k = p.block // p.inner_size
     cdef int64_t row, c, r_end = imin((b + 1) * k, p.count // p.inner_size)
     cdef int64_t off[3]
     cdef double *sums
-    cdef bint runs = (o.direct and p.chan_offset[SLOT_X] == NULL
+    cdef bint runs = (o.direct and p.inner_size <= TILE and p.chan_offset[SLOT_X] == NULL
                       and p.chan_offset[SLOT_DY] == NULL and p.chan_offset[SLOT_DX] == NULL)
     if what & DO_REDUCE:
         for c in range(c_lo, c_hi):
@@ -755,9 +758,9 @@ cdef bint _direct(const Plan *p) noexcept nogil:
 
 
 cdef inline bint _sweeps(const Plan *p) noexcept nogil:
-    """Channel-major passes in memory order: rows short enough that visiting a channel at a
-    time would jump a page every few hundred bytes."""
-    return p.whole_rows and p.inner_size < SWEEP_BELOW
+    """Channel-major passes go in memory order (sweep_block) wherever a block holds whole
+    rows; rows longer than a block go a channel at a time (major_block), already long streams."""
+    return p.whole_rows
 
 
 ctypedef struct Pass:          # one pass over the work items: what every item needs
@@ -840,9 +843,10 @@ cdef void _combine_item(const Pass *w, int64_t c, float *tiles) noexcept nogil:
 
 
 cdef int64_t _fused_group(const Plan *p, int nt) noexcept nogil:
-    """Channels per fused item when rows are short: as many as keep the group's x and dy
-    within FUSE_BYTES, and at least two items per thread."""
-    cdef int64_t g = FUSE_BYTES // (2 * itemsize(p.big_dtype) * p.count)
+    """Channels per fused item: as many as keep the group's x and dy within this thread's
+    share of FUSE_BYTES (FUSE_MIN at least), and at least two items per thread."""
+    cdef int64_t budget = FUSE_BYTES // nt if FUSE_BYTES // nt > FUSE_MIN else FUSE_MIN
+    cdef int64_t g = budget // (2 * itemsize(p.big_dtype) * p.count)
     cdef int64_t most = (p.channels + 2 * nt - 1) // (2 * nt)
     if g > most:
         g = most
@@ -850,9 +854,9 @@ cdef int64_t _fused_group(const Plan *p, int nt) noexcept nogil:
 
 
 cdef void _fused_group_item(const Pass *w, int64_t g, float *tiles) noexcept nogil:
-    """Fused schedule for short rows: reduce channels [c_lo, c_hi) in memory order (their
+    """Fused schedule over whole rows: reduce channels [c_lo, c_hi) in memory order (their
     rows of one outer index are adjacent), finish their sums and coefficients, then apply
-    them while their rows are still in L2.  The block sums are those of the split schedule,
+    them while their rows are still cached.  The block sums are those of the split schedule,
     added in the same block order."""
     cdef const Plan *p = w.p
     cdef int64_t b, c

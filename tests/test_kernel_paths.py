@@ -168,6 +168,30 @@ def test_row_tails_write_only_their_elements(rng, dtype, shape, data_format, pad
     np.testing.assert_array_equal(_bits(buffer)[..., shape[-1]:], before[..., shape[-1]:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_long_rows_are_cut_alike_on_every_path(dtype):
+    """Rows longer than a staging tile (2048) are summed in tile-sized pieces wherever they
+    go: in place in memory order, staged from strided operands, or on the portable bodies.
+    The first row of each channel holds one large term and, past the tile boundary in the same
+    lane, four terms each a quarter of its f64 ulp: a row summed whole rounds each of them away,
+    summed in two pieces it keeps them.  So a path that cut rows elsewhere would change the f64
+    sums.  (Reversed rows are summed in memory order, another order: not compared here.)"""
+    shape = (2, 3, 2100)
+    x = np.zeros(shape, np.float32)
+    x[0, :, 0] = 2.0 ** 15
+    x[0, :, 2048:2100:16] = 2.0 ** -12         # (x - mean) * dy = 2**30 and 4 x 2**-24
+    x, dy = x.astype(dtype), x.astype(dtype)
+    mean = np.zeros(3, np.float32)
+
+    def sums(layout):
+        return backward_reduce(make_layout(x, layout), make_layout(dy, layout), mean,
+                               data_format="NCX", num_threads=2)[0].view(np.uint64)
+
+    want = sums("sliced")                      # staged through tiles: cut at every tile
+    for got in _both_paths(lambda: sums("contiguous")):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_forcing_the_portable_bodies_is_visible():
     """The comparison above means something only if the switch changes the path taken."""
     before = _core.build_info()["kernels"]
