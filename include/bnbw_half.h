@@ -275,20 +275,31 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__load_bf16_avx2(const char *src, int64_
     bnbw__load_bf16_portable(src + 2 * i, n - i, dst + i);
 }
 
-/* 8 f32 lanes rounded to nearest even bf16, each in the low half of its 32-bit lane; right
-   for every lane that is not a NaN. */
-static inline BNBW__AVX2 __m256i bnbw__bf16_round8_numbers(__m256i x)
+/* 8 f32 lanes rounded to nearest even bf16, each in the high half of its 32-bit lane (the
+   low half is left over); right for every lane that is not a NaN. */
+static inline BNBW__AVX2 __m256i bnbw__bf16_round8_high(__m256i x)
 {
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    return _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
 }
 
-/* ... and NaN lanes (mask `nan`) replaced by the quiet NaN 0x7fc0 with their sign. */
+/* ... each in the low half of its lane. */
+static inline BNBW__AVX2 __m256i bnbw__bf16_round8_numbers(__m256i x)
+{
+    return _mm256_srli_epi32(bnbw__bf16_round8_high(x), 16);
+}
+
+/* The bf16 of a NaN x: the quiet NaN 0x7fc0 with x's sign, in the low half of the lane. */
+static inline BNBW__AVX2 __m256i bnbw__bf16_quiet8(__m256i x)
+{
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x8000)),
+                           _mm256_set1_epi32(0x7fc0));
+}
+
+/* ... and NaN lanes (mask `nan`) replaced by their quiet NaN. */
 static inline BNBW__AVX2 __m256i bnbw__bf16_fix_nans(__m256i x, __m256i r, __m256i nan)
 {
-    __m256i qnan = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x8000)),
-                                   _mm256_set1_epi32(0x7fc0));
-    return _mm256_blendv_epi8(r, qnan, nan);
+    return _mm256_blendv_epi8(r, bnbw__bf16_quiet8(x), nan);
 }
 
 /* 16 f32 lanes (a: elements 0-7, b: 8-15) as 16 bf16 in element order.  NaNs are rare: one
@@ -305,6 +316,23 @@ static inline BNBW__AVX2 __m256i bnbw__bf16_pack16(__m256 a, __m256 b)
     /* lanes hold values <= 0xffff, so the unsigned saturating pack is exact; it packs per
        128-bit half, hence the qword permutation back into order */
     return _mm256_permute4x64_epi64(_mm256_packus_epi32(ra, rb), 0xd8);
+}
+
+/* 16 bf16 in element order from the f32 values of the even elements (0, 2, .., 14: `even`)
+   and of the odd ones (`odd`), rounded as bnbw__bf16_pack16 rounds.  An element's bf16 is the
+   high half of its f32 lane, so this needs no packing shuffle: one blend of 16-bit words. */
+static inline BNBW__AVX2 __m256i bnbw__bf16_join16(__m256 even, __m256 odd)
+{
+    __m256i xe = _mm256_castps_si256(even), xo = _mm256_castps_si256(odd);
+    __m256i re = bnbw__bf16_round8_high(xe), ro = bnbw__bf16_round8_high(xo);
+    __m256i any = _mm256_castps_si256(_mm256_cmp_ps(even, odd, _CMP_UNORD_Q));
+    if (!_mm256_testz_si256(any, any)) {       /* NaNs, rare: as in bnbw__bf16_pack16 */
+        re = _mm256_blendv_epi8(re, _mm256_slli_epi32(bnbw__bf16_quiet8(xe), 16),
+                                _mm256_castps_si256(_mm256_cmp_ps(even, even, _CMP_UNORD_Q)));
+        ro = _mm256_blendv_epi8(ro, _mm256_slli_epi32(bnbw__bf16_quiet8(xo), 16),
+                                _mm256_castps_si256(_mm256_cmp_ps(odd, odd, _CMP_UNORD_Q)));
+    }
+    return _mm256_blend_epi16(_mm256_srli_epi32(re, 16), ro, 0xaa);
 }
 
 static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int64_t n, char *dst)

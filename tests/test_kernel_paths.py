@@ -6,14 +6,15 @@ portable f32 kernels.  Both must compute the same thing in the same order, so ev
 compared bit for bit with the engine forced onto the portable bodies.  The shapes put tails
 everywhere: rows that are not a multiple of 16 or 8 elements, rows longer than one staging tile
 (2048), channel counts with 8- and 16-wide runs plus leftovers of every kind (the AVX2 bodies
-take a leftover of 3 to 15 elements with masked loads and stores, of one or two one by one); NaN
+take a leftover of 3 to 15 elements with masked loads and stores, of one or two one by one; their
+channel-major elementwise bf16 kernels split runs of 16 into even and odd elements); NaN
 and infinity inputs check that both paths round special values alike (NaN payloads and signs
 aside).
 """
 import numpy as np
 import pytest
 
-from bnbw_native import _core, batchnorm_training_backward, backward_reduce
+from bnbw_native import _core, backward_apply, backward_reduce, batchnorm_training_backward, dml
 from conftest import BF16, make_layout
 
 DTYPES = [np.float16, np.float32] + ([BF16] if BF16 is not None else [])
@@ -190,6 +191,42 @@ def test_long_rows_are_cut_alike_on_every_path(dtype):
     want = sums("sliced")                      # staged through tiles: cut at every tile
     for got in _both_paths(lambda: sums("contiguous")):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float16] + ([BF16] if BF16 is not None else []),
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
+@pytest.mark.parametrize("kernel", ["scale", "apply"])
+def test_every_half_pattern_is_rounded_as_numpy_rounds(dtype, data_format, kernel):
+    """dx = 1.5 * dy for all 65,536 dy patterns, stored by the kernels (the AVX2 bodies round
+    bf16 from even and odd lanes apart).  The f32 product is exact and lands exactly halfway
+    between two halves for thousands of patterns: ties to even, overflow, subnormals,
+    infinities and NaNs all meet the rounding, checked against NumPy/ml_dtypes.  Frozen
+    statistics (DirectML's GRAD) take the scale kernel; zero sums given to backward_apply make
+    the training formula's apply kernel compute the same product."""
+    dy = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    dy = dy.reshape((4, 2, 8192) if data_format == "NCX" else (4, 1024, 16))
+    C = 2 if data_format == "NCX" else 16
+    x = np.zeros_like(dy)                      # x - mean = 0
+    var, eps = 0.75, 0.25                      # var + eps = 1: k1 = scale = 1.5 exactly
+    if kernel == "scale":
+        def stat(value):
+            return np.full((1, C, 1), value, np.float32).astype(dtype)
+        if data_format == "NCX":
+            views = (x, dy)
+        else:
+            views = (x.transpose(0, 2, 1), dy.transpose(0, 2, 1))
+        dx = dml.batch_normalization_grad(*views, stat(0.0), stat(var), stat(1.5), eps)[0]
+        if data_format == "NXC":
+            dx = dx.transpose(0, 2, 1)
+    else:
+        stat = np.ones(C, np.float32)
+        dx = backward_apply(x, dy, stat * 0, stat * var, stat * 1.5, np.zeros((2, C)), dy.size // C,
+                            epsilon=eps, data_format=data_format)[0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = (np.float32(1.5) * dy.astype(np.float32)).astype(dtype)
+    same_zero = lambda a: np.where(a == 0, np.zeros_like(a), a)   # the sign of 0 * 0 terms
+    np.testing.assert_array_equal(_bits(same_zero(dx)), _bits(same_zero(want)))
 
 
 def test_forcing_the_portable_bodies_is_visible():
