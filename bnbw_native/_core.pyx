@@ -716,7 +716,8 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
         elif w.what:
             _pass(&w, nt, tiles)
         if need_sums and not fused:
-            run_items(&w, _combine_item, C, nt, tiles)
+            for c in range(C):     # serial: C x nblocks additions, a tiny fraction of a pass;
+                _combine_item(&w, c, tiles)    # in parallel (2048 channels) it cost 50 us
             if want_coef:
                 _all_coefficients(p, ptr, op, eps, count, &o, sums, dscale, dbias)
         if write_dx and op & OP_TRAINING and not fused:
