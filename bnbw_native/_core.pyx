@@ -77,7 +77,7 @@ cdef extern from "bnbw_kernels.h" nogil:
     void bnbw_scale_row(const void *dy, void *dx, int64_t n, float k1, int dt)
     void bnbw_reduce_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
                           int64_t rows, int64_t n, const float *mean, double *sum_g,
-                          double *sum_xg, int dt)
+                          double *sum_xg, int streaming, int dt)
     void bnbw_apply_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
                          void *dx, int64_t dx_row, int64_t rows, int64_t n, const float *mean,
                          const float *k1, const float *k2, const float *k3, int dt)
@@ -327,6 +327,7 @@ ctypedef struct Operands:
     int dtype        # storage type of x, dy, dx
     bint direct      # the kernels read and write x, dy, dx where they are, in their own type
     int kdt          # what the kernels are told the rows hold: dtype when direct, else f32
+    bint streaming   # x and dy outgrow the cache share FUSE_BYTES: a pass reads them from memory
 
 
 # ---------------------------------------------------------------------------------------
@@ -584,7 +585,7 @@ cdef void last_block(const Plan *p, const Operands *o, int64_t rb, int64_t grp, 
             xs = stage_rows(p, o, o.x, 0, r0, nr, c0, w, tiles, &xr)
         if what & DO_REDUCE:
             bnbw_reduce_rows(xs, xr, gs, gr, nr, w, o.mean + c0, sum_g + c0, sum_xg + c0,
-                             o.kdt)
+                             o.streaming, o.kdt)
         if what & (DO_APPLY | DO_SCALE):
             if o.direct:
                 row_origin(p, r0, off)
@@ -663,6 +664,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     o.dtype = p.big_dtype
     o.direct = _direct(p)
     o.kdt = p.big_dtype if o.direct else DT_F32
+    o.streaming = 2 * itemsize(p.big_dtype) * C * p.count > FUSE_BYTES
     for c in range(C):
         o.mean[c] = load_stat(ptr[SLOT_MEAN], p.stat_dtype, chan_origin(p, SLOT_MEAN, c))
     if op & OP_GIVEN_SUMS:

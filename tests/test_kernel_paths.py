@@ -32,6 +32,7 @@ SHAPES = [  # (shape, data_format)
     ((3, 4, 7, 7), "NCX"),          # rows of 49: a tail of one
     ((6, 2, 34), "NCX"),            # a tail of two
     ((11, 17), "NXC"),              # one channel after a run of 16
+    ((16400, 130), "NXC"),          # x and dy past 16 MiB in f32: wide rows one at a time
 ]
 
 
