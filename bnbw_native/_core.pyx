@@ -327,7 +327,8 @@ ctypedef struct Operands:
     int dtype        # storage type of x, dy, dx
     bint direct      # the kernels read and write x, dy, dx where they are, in their own type
     int kdt          # what the kernels are told the rows hold: dtype when direct, else f32
-    bint streaming   # x and dy outgrow the cache share FUSE_BYTES: a pass reads them from memory
+    bint streaming   # x and dy outgrow an L2 (2 * FUSE_MIN): a pass is likely to read them
+                     # from memory (a call rarely finds its inputs still in L3)
 
 
 # ---------------------------------------------------------------------------------------
@@ -664,7 +665,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     o.dtype = p.big_dtype
     o.direct = _direct(p)
     o.kdt = p.big_dtype if o.direct else DT_F32
-    o.streaming = 2 * itemsize(p.big_dtype) * C * p.count > FUSE_BYTES
+    o.streaming = 2 * itemsize(p.big_dtype) * C * p.count > 2 * FUSE_MIN
     for c in range(C):
         o.mean[c] = load_stat(ptr[SLOT_MEAN], p.stat_dtype, chan_origin(p, SLOT_MEAN, c))
     if op & OP_GIVEN_SUMS:

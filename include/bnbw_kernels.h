@@ -393,13 +393,15 @@ BNBW_AVX2_INLINE void bnbw_scale_row_body(const void *dy, void *dx, int64_t n, f
  * sums are loaded, the four rows added in row order and the sums stored back.  Walking all rows
  * per channel run instead would visit addresses a row stride apart, which for power-of-two
  * strides all fall into one L1 set and thrash it.  When the caller says the rows stream from
- * memory (`streaming`), rows longer than BNBW_GROUP_BYTES go one at a time instead: four of
- * them interleaved line by line defeat the hardware prefetcher (Zen 4, 128 channels of f32
- * from DRAM: 0.57-0.78 ns per element four at a time, 0.37-0.45 one at a time; 64 channels:
- * 0.30 either way), while from cache four at a time stay 10-30% faster.  Either way each
- * channel adds its rows in row order: the same bits. */
+ * memory (`streaming`), rows of 256 B to 2 KiB go one at a time instead: four of them
+ * interleaved line by line within a page or two defeat the hardware prefetcher (Zen 4, 128
+ * channels of f32 from DRAM: 0.57-0.78 ns per element four at a time, 0.37-0.45 one at a time;
+ * (32, 14, 14, 256) from DRAM 0.67x time), while shorter rows read as one stream anyway, longer
+ * ones as separate pages ((256, 2048) 1.3x slower one at a time), and from cache four at a time
+ * stay 10-30% faster.  Either way each channel adds its rows in row order: the same bits. */
 #define BNBW_ROW_GROUP 4
-#define BNBW_GROUP_BYTES 256
+#define BNBW_ONE_ROW_FROM 257          /* bytes per row: the range that goes one at a time */
+#define BNBW_ONE_ROW_TO 2048
 
 BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const void *dy,
                                             int64_t dy_row, int64_t rows, int64_t n,
@@ -407,7 +409,8 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
                                             int streaming, int dt)
 {
     int64_t n16 = n - n % 16;
-    int64_t group = streaming && x_row * (dt == BNBW_F32 ? 4 : 2) > BNBW_GROUP_BYTES
+    int64_t row_bytes = x_row * (dt == BNBW_F32 ? 4 : 2);
+    int64_t group = streaming && row_bytes >= BNBW_ONE_ROW_FROM && row_bytes <= BNBW_ONE_ROW_TO
                     ? 1 : BNBW_ROW_GROUP;
     for (int64_t r = 0; r < rows; r += group) {
         int64_t nr = rows - r < group ? rows - r : group;
