@@ -31,8 +31,8 @@ order.  Which thread runs a block, and how many threads there are, never enters 
 arithmetic, so every output is bit-identical for any thread count.  Schedules: channel-major
 with enough channels runs "fused": one thread reduces a group of adjacent channels in memory
 order (or one channel, when its rows are longer than a block) and applies it at once while its
-data is still in cache; otherwise reduce, combine, apply as three steps.  All add the same block sums in the
-same order.
+data is still in cache; otherwise reduce, combine, apply as three steps.  All add the same
+block sums in the same order.
 
 Accuracy.  Sums are f64 (lanes of f64 in the row kernel, f64 block sums, f64 combination) of
 exact f64 products of the f32 values (x - mean) and dy, x - mean being exact near the mean.
