@@ -27,6 +27,7 @@ cdef enum Op:
     OP_WRITE_DX = 8
     OP_WRITE_PARAMS = 16   # write dscale, dbias
     OP_RETURN_SUMS = 32    # copy the sums out (two-phase reduce)
+    OP_EXACT_SUMS = 64     # every term in f64, also for f16/bf16 storage (no f32 blocks)
 
 ctypedef struct Plan:
     bint empty               # no channel or no element: nothing to read

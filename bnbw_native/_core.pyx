@@ -36,6 +36,7 @@ block sums in the same order.
 
 Accuracy.  Sums are f64 (lanes of f64 in the row kernel, f64 block sums, f64 combination) of
 exact f64 products of the f32 values (x - mean) and dy, x - mean being exact near the mean.
+f16/bf16 storage first sums short f32 blocks per lane (_blocked_sums, bnbw_kernels.h).
 
 Fast path.  fast_backward() takes a plain NumPy call from validation to result without Python
 in between (a tiny call costs ~6 us instead of ~30-60); it declines whatever it cannot prove
@@ -71,13 +72,13 @@ cdef extern from "bnbw_half.h" nogil:
 
 cdef extern from "bnbw_kernels.h" nogil:
     void bnbw_reduce_row(const void *x, const void *dy, int64_t n, float mean, double *out,
-                         int dt)
+                         int blocked, int dt)
     void bnbw_apply_row(const void *x, const void *dy, void *dx, int64_t n, float mean,
                         float k1, float k2, float k3, int dt)
     void bnbw_scale_row(const void *dy, void *dx, int64_t n, float k1, int dt)
     void bnbw_reduce_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
                           int64_t rows, int64_t n, const float *mean, double *sum_g,
-                          double *sum_xg, int streaming, int dt)
+                          double *sum_xg, int streaming, int blocked, int dt)
     void bnbw_apply_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
                          void *dx, int64_t dx_row, int64_t rows, int64_t n, const float *mean,
                          const float *k1, const float *k2, const float *k3, int dt)
@@ -85,7 +86,7 @@ cdef extern from "bnbw_kernels.h" nogil:
                          int64_t rows, int64_t n, const float *k1, int dt)
     void bnbw_reduce_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
                              int64_t n, int64_t count, const float *mean, double *sums,
-                             int64_t sums_step, int dt)
+                             int64_t sums_step, int blocked, int dt)
     void bnbw_apply_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
                             void *dx, int64_t dx_step, int64_t n, int64_t count,
                             const float *mean, const float *k1, const float *k2,
@@ -93,6 +94,7 @@ cdef extern from "bnbw_kernels.h" nogil:
     void bnbw_scale_row_run(const void *dy, int64_t dy_step, void *dx, int64_t dx_step,
                             int64_t n, int64_t count, const float *k1, int dt)
     int bnbw_kernels_take(int dt)
+    int BNBW_BLOCK_ROWS
     int bnbw_avx2_kernels()
 
 cdef extern from *:
@@ -257,7 +259,8 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
         if p.block < (M + s - 1) // s:
             p.block = (M + s - 1) // s
         p.nblocks = (M + p.block - 1) // p.block
-        p.group = TILE
+        # blocked sums need slabs of whole blocks: at least BNBW_BLOCK_ROWS rows per tile
+        p.group = TILE if big_dtype == DT_F32 else TILE // BNBW_BLOCK_ROWS
         p.ngroups = (C + p.group - 1) // p.group
     else:
         p.n_outer = nred - 1 if nred > 0 else 0
@@ -327,6 +330,7 @@ ctypedef struct Operands:
     int dtype        # storage type of x, dy, dx
     bint direct      # the kernels read and write x, dy, dx where they are, in their own type
     int kdt          # what the kernels are told the rows hold: dtype when direct, else f32
+    bint blocked     # sums in f32 blocks (bnbw_kernels.h): f16/bf16 storage, see _blocked_sums
     bint streaming   # x and dy outgrow an L2 (2 * FUSE_MIN): a pass is likely to read them
                      # from memory (a call rarely finds its inputs still in L3)
 
@@ -437,7 +441,7 @@ cdef void row_span(const Plan *p, const Operands *o, int64_t c, const int64_t *o
         if what & (DO_REDUCE | DO_APPLY):
             xs = load_row(o, cx + col * sx, sx, n, tiles)
         if what & DO_REDUCE:
-            bnbw_reduce_row(xs, gs, n, mean, part, o.kdt)
+            bnbw_reduce_row(xs, gs, n, mean, part, o.blocked, o.kdt)
             sums[0] += part[0]
             sums[1] += part[1]
         if what & (DO_APPLY | DO_SCALE):
@@ -515,7 +519,8 @@ cdef inline void row_run(const Plan *p, const Operands *o, const int64_t *off, i
     cdef const char *g = o.dy + off[1] + sg * c_lo
     cdef char *d = o.dx + off[2] + sd * c_lo if what & (DO_APPLY | DO_SCALE) else NULL
     if what & DO_REDUCE:
-        bnbw_reduce_row_run(x, sx, g, sg, L, n, o.mean + c_lo, sums, 2 * p.nblocks, o.kdt)
+        bnbw_reduce_row_run(x, sx, g, sg, L, n, o.mean + c_lo, sums, 2 * p.nblocks, o.blocked,
+                            o.kdt)
     if what & DO_APPLY:
         bnbw_apply_row_run(x, sx, g, sg, d, sd, L, n, o.mean + c_lo, o.k1 + c_lo, o.k2 + c_lo,
                            o.k3 + c_lo, o.kdt)
@@ -576,7 +581,9 @@ cdef void last_block(const Plan *p, const Operands *o, int64_t rb, int64_t grp, 
     cdef int64_t off[3]
     while r0 < r_end:
         if not o.direct:
-            nr = imin(TILE // w, r_end - r0)
+            # blocked sums: whole blocks per slab, as the direct call has them
+            nr = TILE // w - (TILE // w) % BNBW_BLOCK_ROWS if o.blocked else TILE // w
+            nr = imin(nr, r_end - r0)
         elif p.n_outer <= 1:
             nr = r_end - r0
         else:
@@ -586,7 +593,7 @@ cdef void last_block(const Plan *p, const Operands *o, int64_t rb, int64_t grp, 
             xs = stage_rows(p, o, o.x, 0, r0, nr, c0, w, tiles, &xr)
         if what & DO_REDUCE:
             bnbw_reduce_rows(xs, xr, gs, gr, nr, w, o.mean + c0, sum_g + c0, sum_xg + c0,
-                             o.streaming, o.kdt)
+                             o.streaming, o.blocked, o.kdt)
         if what & (DO_APPLY | DO_SCALE):
             if o.direct:
                 row_origin(p, r0, off)
@@ -665,6 +672,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     o.dtype = p.big_dtype
     o.direct = _direct(p)
     o.kdt = p.big_dtype if o.direct else DT_F32
+    o.blocked = _blocked_sums(p) and not (op & OP_EXACT_SUMS)
     o.streaming = 2 * itemsize(p.big_dtype) * C * p.count > 2 * FUSE_MIN
     for c in range(C):
         o.mean[c] = load_stat(ptr[SLOT_MEAN], p.stat_dtype, chan_origin(p, SLOT_MEAN, c))
@@ -759,6 +767,15 @@ cdef bint _direct(const Plan *p) noexcept nogil:
         if p.channel_last and p.n_outer == 1 and p.outer_stride[t][0] % isz != 0:
             return False
     return True
+
+
+cdef bint _blocked_sums(const Plan *p) noexcept nogil:
+    """f16 and bf16 sums go through f32 blocks (bnbw_kernels.h: 5 widening operations per 16
+    halves instead of 12, and a half's own precision is far coarser).  A block must span the
+    same terms on every path: channel-major rows are cut alike everywhere (row_span), and
+    channel-last slabs hold whole blocks - except rows that do not share one stride, which go
+    to the kernels one at a time and so keep f64 terms."""
+    return p.big_dtype != DT_F32 and not (p.channel_last and p.n_outer > 1)
 
 
 cdef inline bint _sweeps(const Plan *p) noexcept nogil:
@@ -928,6 +945,7 @@ DTYPE_CODES = {"float32": DT_F32, "float16": DT_F16, "bfloat16": DT_BF16}
 OP_FLAGS = {
     "compute_sums": OP_COMPUTE_SUMS, "given_sums": OP_GIVEN_SUMS, "training": OP_TRAINING,
     "write_dx": OP_WRITE_DX, "write_params": OP_WRITE_PARAMS, "return_sums": OP_RETURN_SUMS,
+    "exact_sums": OP_EXACT_SUMS,
 }
 
 

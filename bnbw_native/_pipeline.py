@@ -76,12 +76,13 @@ def channel_axis(data_format, ndim):
 
 def array_backward(names, x, dy, mean, var, scale, *, epsilon, data_format, formula,
                    out=None, num_threads=None, dtype_rule=graph_dtypes, ranks=(2, 8),
-                   extra_stats=(), partial=None, count=None):
+                   extra_stats=(), partial=None, count=None, exact_sums=False):
     """Validate, run and return (dx, dscale, dbias) or, for formula="reduce", (sums, count).
 
     extra_stats: [(name, obj)] further length-C inputs that are validated but unused
-    (nGraph's beta).  partial/count: the global sums of the two-phase API."""
-    if formula in FAST_FORMULAS and not extra_stats:
+    (nGraph's beta).  partial/count: the global sums of the two-phase API.  exact_sums: every
+    term in float64 also for f16/bf16 storage (see _core._blocked_sums)."""
+    if formula in FAST_FORMULAS and not extra_stats and not exact_sums:
         done = _core.fast_backward(
             x, dy, mean, var, scale, epsilon, data_format == "NXC", FORMULAS[formula],
             formula == "frozen_dx", out, num_threads, _config.resolve_threads,
@@ -167,7 +168,8 @@ def array_backward(names, x, dy, mean, var, scale, *, epsilon, data_format, form
     scale = None if formula == "frozen_dx" else stats.get("scale")
     operands = [x, dy, dx, stats.get("mean"), stats.get("var"), scale, dscale, dbias]
     m = engine.count if count is None else count
-    engine.execute(operands, FORMULAS[formula], eps, float(m), sums, nthreads)
+    op = FORMULAS[formula] | (OP["exact_sums"] if exact_sums else 0)
+    engine.execute(operands, op, eps, float(m), sums, nthreads)
     if formula == "reduce":
         return np.ascontiguousarray(sums.reshape(C, 2).T), engine.count
     return tuple(results) if writes_params else (results[0], None, None)

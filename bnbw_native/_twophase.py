@@ -13,12 +13,19 @@ NAMES = Names(x="x", dy="dy", mean="mean", var="variance", scale="gamma", dx="di
               dscale="diff_gamma", dbias="diff_beta")
 
 
-def backward_reduce(x, dy, mean, *, data_format="NXC", num_threads=None):
-    """Local per-channel sums: returns (partial, count), partial float64 (2, C), count int."""
+def backward_reduce(x, dy, mean, *, data_format="NXC", num_threads=None, exact_sums=False):
+    """Local per-channel sums: returns (partial, count), partial float64 (2, C), count int.
+
+    f16 and bf16 inputs are summed as every backward call sums them: in short float32 blocks
+    added into float64, within ~2^-21 of the sum of |terms| (README, "Accuracy").
+    exact_sums=True adds every term in float64 instead (slower; what a caller that derives
+    statistics by cancelling algebra needs, e.g. Sum x*x - n*mean^2)."""
     check_choice(data_format, "data_format", ("NXC", "NCX"))
+    if not isinstance(exact_sums, bool):
+        raise TypeError(f"exact_sums must be True or False, got {exact_sums!r}")
     return array_backward(NAMES, x, dy, mean, None, None, epsilon=None,
                           data_format=data_format, formula="reduce", num_threads=num_threads,
-                          dtype_rule=graph_dtypes)
+                          dtype_rule=graph_dtypes, exact_sums=exact_sums)
 
 
 def backward_apply(x, dy, mean, variance, gamma, partial, count, *, epsilon, data_format="NXC",

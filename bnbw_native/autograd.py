@@ -86,13 +86,15 @@ _CANCELLATION = 1e4
 def _moments(x, num_threads):
     """(count, mean, M2 = Sum (x - mean)^2) per channel, float64, from the kernel's sums.
 
-    backward_reduce(x, dy=x, mean=c) returns [Sum x, Sum (x - c) * x] with exact float64
-    products and float64 accumulation, for any layout and storage type, without copies."""
+    backward_reduce(x, dy=x, mean=c, exact_sums=True) returns [Sum x, Sum (x - c) * x] with
+    exact float64 products and float64 accumulation, for any layout and storage type, without
+    copies (the default f32 blocks of f16/bf16 sums would not survive the cancellation)."""
     perm, data_format = _channel_last_order(x)
     xs = _np(x.permute(perm))
     channels = x.shape[1]
     sums, count = backward_reduce(xs, xs, np.zeros(channels, np.float32),
-                                  data_format=data_format, num_threads=num_threads)
+                                  data_format=data_format, num_threads=num_threads,
+                                  exact_sums=True)
     if count == 0:
         return 0, np.zeros(channels), np.zeros(channels)
     total = sums[0]
@@ -101,7 +103,7 @@ def _moments(x, num_threads):
     if np.any(mean * mean > _CANCELLATION * np.maximum(m2 / count, 0.0)):
         shift = mean.astype(np.float32)
         sums, _ = backward_reduce(xs, xs, shift, data_format=data_format,
-                                  num_threads=num_threads)
+                                  num_threads=num_threads, exact_sums=True)
         # Sum (x - c) x = M2 + mean * (Sum x - n c): exact algebra, a small correction
         m2 = sums[1] - mean * (total - count * shift.astype(np.float64))
     return count, mean, np.maximum(m2, 0.0)

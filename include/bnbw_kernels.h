@@ -27,6 +27,17 @@
  * to ~1e-12 relative for 2^24 elements around a large mean, where naive f32 sums lose three or
  * four digits.  dx is rounded once to its storage type.
  *
+ * Blocked sums (`blocked`, chosen by the engine for f16 and bf16 storage).  Widening every
+ * term to f64 costs more than reading a half: Zen 4 widens f32 -> f64 and f16 -> f32 on one pipe
+ * at one per cycle, and the f64 reduction of 16 halves needs 12 such operations.  So with
+ * `blocked` each lane first sums a short block in f32 - BNBW_BLOCK_RUNS runs of 16 of a
+ * channel-major row, BNBW_BLOCK_ROWS rows of a channel-last call - (x - mean) * dy rounded to
+ * f32, and adds the block's f32 sums into its f64 lanes: 5 widening operations per 16 halves.
+ * A block adds at most ~9 f32 roundings (2^-24 each) relative to the block's sum of |terms|,
+ * far below a half's own 2^-11 or 2^-8, and the f64 lanes keep 2^24 elements as accurate as
+ * that.  A lane whose block sum is not finite (an f32 overflow, or an inf or NaN input) redoes
+ * that block in f64, so every finite f64 result stays finite.  Both bodies block alike.
+ *
  * Determinism.  A kernel's result depends only on its arguments, never on which thread runs
  * it, and FP contraction is off (-ffp-contract=off): the AVX2 bodies spell out every rounding,
  * and fuse a multiply-add only where the product is exact.
@@ -45,6 +56,15 @@ enum { BNBW_F32 = 0, BNBW_F16 = 1, BNBW_BF16 = 2 };
 /* Lanes of independent f64 partial sums in the channel-major reduction: 16 lanes = 4 AVX2
  * registers per sum, enough to hide the 4-cycle add latency at two loads per cycle. */
 #define BNBW_LANES 16
+
+/* Blocked sums (see the header): a channel-major block is BNBW_BLOCK_RUNS runs of 16 elements
+ * from the start of the row piece a kernel is given, a channel-last block BNBW_BLOCK_ROWS rows
+ * from the first row of the call (the engine cuts calls at multiples of it). */
+#define BNBW_BLOCK_RUNS 8
+#define BNBW_BLOCK_ROWS 4
+
+/* 1 when v is neither infinite nor NaN. */
+static inline int bnbw__finite(float v) { return v - v == 0.0f; }
 
 /* Element i of a row of storage type dt, as f32 (exact for every type). */
 static inline float bnbw_get(const void *row, int64_t i, int dt)
@@ -99,11 +119,43 @@ static void bnbw_reduce_row_finish(const float *x, const float *dy, int64_t n, f
     out[1] = sxg[0];
 }
 
+/* One block of `len` terms per lane, lanes 0..lanes-1: lane l's k-th term is element
+ * k * step + l of x and dy (mean[l * mean_step]).  Summed in f32 and added to sg[l], sxg[l];
+ * a lane whose f32 sums are not finite adds its terms in f64 instead. */
+static void bnbw__reduce_block_portable(const float *x, int64_t x_step, const float *dy,
+                                        int64_t dy_step, int64_t len, int64_t lanes,
+                                        const float *mean, int64_t mean_step, double *sg,
+                                        double *sxg)
+{
+    for (int64_t l = 0; l < lanes; ++l) {
+        float m = mean[l * mean_step], fg = 0.0f, fp = 0.0f;
+        for (int64_t k = 0; k < len; ++k) {
+            float g = dy[k * dy_step + l];
+            fg += g;
+            fp += (x[k * x_step + l] - m) * g;
+        }
+        if (bnbw__finite(fg) && bnbw__finite(fp)) {
+            sg[l] += (double)fg;
+            sxg[l] += (double)fp;
+            continue;
+        }
+        for (int64_t k = 0; k < len; ++k) {
+            float g = dy[k * dy_step + l];
+            sg[l] += (double)g;
+            sxg[l] += (double)(x[k * x_step + l] - m) * (double)g;
+        }
+    }
+}
+
 static void bnbw_reduce_row_portable(const float *x, const float *dy, int64_t n, float mean,
-                                     double out[2])
+                                     double out[2], int blocked)
 {
     double sg[BNBW_LANES] = {0}, sxg[BNBW_LANES] = {0};
     int64_t i = 0;
+    const int64_t block = BNBW_BLOCK_RUNS * BNBW_LANES;
+    for (; blocked && i + block <= n; i += block)
+        bnbw__reduce_block_portable(x + i, BNBW_LANES, dy + i, BNBW_LANES, BNBW_BLOCK_RUNS,
+                                    BNBW_LANES, &mean, 0, sg, sxg);
     for (; i + BNBW_LANES <= n; i += BNBW_LANES) {
         for (int l = 0; l < BNBW_LANES; ++l) {
             float g = dy[i + l];
@@ -132,8 +184,17 @@ static void bnbw_scale_row_portable(const float *dy, float *dx, int64_t n, float
  * same per channel, whatever it keeps in registers). */
 static void bnbw_reduce_rows_portable(const float *x, int64_t x_row, const float *dy,
                                       int64_t dy_row, int64_t rows, int64_t n,
-                                      const float *mean, double *sum_g, double *sum_xg)
+                                      const float *mean, double *sum_g, double *sum_xg,
+                                      int blocked)
 {
+    if (blocked) {
+        for (int64_t r = 0; r < rows; r += BNBW_BLOCK_ROWS) {
+            int64_t nr = rows - r < BNBW_BLOCK_ROWS ? rows - r : BNBW_BLOCK_ROWS;
+            bnbw__reduce_block_portable(x + r * x_row, x_row, dy + r * dy_row, dy_row, nr, n,
+                                        mean, 1, sum_g, sum_xg);
+        }
+        return;
+    }
     for (int64_t r = 0; r < rows; ++r, x += x_row, dy += dy_row) {
         for (int64_t c = 0; c < n; ++c) {
             float g = dy[c];
@@ -309,13 +370,78 @@ BNBW_AVX2_INLINE __m256 bnbw__apply8(__m256 x, __m256 g, __m256 m, __m256 k1, __
         p3 = _mm256_fmadd_pd(BNBW_WIDEN_HI(DB), w3_, p3);                    \
     } while (0)
 
+/* Blocked sums (see the header): dy (GA, GB) added to the f32 block sums fg0, fg1 and
+ * (x - mean) * dy (DA, DB times GA, GB), rounded to f32, to fp0, fp1 - lane for lane as
+ * bnbw__reduce_block_portable does. */
+#define BNBW_BLOCK_ADD16(GA, GB, DA, DB) do {                                              \
+        __m256 ga_ = (GA), gb_ = (GB);                                                     \
+        fg0 = _mm256_add_ps(fg0, ga_); fg1 = _mm256_add_ps(fg1, gb_);                      \
+        fp0 = _mm256_add_ps(fp0, _mm256_mul_ps((DA), ga_));                                \
+        fp1 = _mm256_add_ps(fp1, _mm256_mul_ps((DB), gb_));                                \
+    } while (0)
+
+/* All bits set in the lanes where both a and b are finite. */
+BNBW_AVX2_INLINE __m256 bnbw__finite_lanes(__m256 a, __m256 b)
+{
+    __m256 z = _mm256_add_ps(_mm256_sub_ps(a, a), _mm256_sub_ps(b, b));
+    return _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_EQ_OQ);
+}
+
+/* A mask of 8 f32 lanes as the masks of its lanes 0..3 (lo) or 4..7 (hi) as f64 lanes. */
+#define BNBW_MASK_LO(k) _mm256_castsi256_pd(_mm256_cvtepi32_epi64(                       \
+                            _mm256_castsi256_si128(_mm256_castps_si256(k))))
+#define BNBW_MASK_HI(k) _mm256_castsi256_pd(_mm256_cvtepi32_epi64(                       \
+                            _mm256_extracti128_si256(_mm256_castps_si256(k), 1)))
+
+/* Adds the block sums fg0, fg1, fp0, fp1 to the f64 lanes g0..g3, p0..p3 (lane k of fg0 to
+ * lane k of g0, lane 4 + k to g1, fg1 to g2, g3).  Lanes whose block sums are not finite take
+ * instead what REDO - the block's terms through BNBW_ACCUMULATE16, from the same f64 lanes -
+ * gives them: a rare path (overflow, inf, NaN), so it simply runs for all lanes and blends. */
+#define BNBW_BLOCK_FLUSH(REDO) do {                                                        \
+        __m256 ok0_ = bnbw__finite_lanes(fg0, fp0), ok1_ = bnbw__finite_lanes(fg1, fp1);   \
+        __m256d b0_ = _mm256_add_pd(g0, BNBW_WIDEN_LO(fg0));                               \
+        __m256d b1_ = _mm256_add_pd(g1, BNBW_WIDEN_HI(fg0));                               \
+        __m256d b2_ = _mm256_add_pd(g2, BNBW_WIDEN_LO(fg1));                               \
+        __m256d b3_ = _mm256_add_pd(g3, BNBW_WIDEN_HI(fg1));                               \
+        __m256d q0_ = _mm256_add_pd(p0, BNBW_WIDEN_LO(fp0));                               \
+        __m256d q1_ = _mm256_add_pd(p1, BNBW_WIDEN_HI(fp0));                               \
+        __m256d q2_ = _mm256_add_pd(p2, BNBW_WIDEN_LO(fp1));                               \
+        __m256d q3_ = _mm256_add_pd(p3, BNBW_WIDEN_HI(fp1));                               \
+        if (_mm256_movemask_ps(_mm256_and_ps(ok0_, ok1_)) == 0xff) {                       \
+            g0 = b0_; g1 = b1_; g2 = b2_; g3 = b3_;                                        \
+            p0 = q0_; p1 = q1_; p2 = q2_; p3 = q3_;                                        \
+        } else {                                                                           \
+            REDO;                                                                          \
+            __m256d m0_ = BNBW_MASK_LO(ok0_), m1_ = BNBW_MASK_HI(ok0_);                    \
+            __m256d m2_ = BNBW_MASK_LO(ok1_), m3_ = BNBW_MASK_HI(ok1_);                    \
+            g0 = _mm256_blendv_pd(g0, b0_, m0_); g1 = _mm256_blendv_pd(g1, b1_, m1_);      \
+            g2 = _mm256_blendv_pd(g2, b2_, m2_); g3 = _mm256_blendv_pd(g3, b3_, m3_);      \
+            p0 = _mm256_blendv_pd(p0, q0_, m0_); p1 = _mm256_blendv_pd(p1, q1_, m1_);      \
+            p2 = _mm256_blendv_pd(p2, q2_, m2_); p3 = _mm256_blendv_pd(p3, q3_, m3_);      \
+        }                                                                                  \
+    } while (0)
+
+/* One block: TERMS(ADD16) applies ADD16 to each of the block's runs of 16 terms, in order. */
+#define BNBW_BLOCK_SUM(TERMS) do {                                                         \
+        __m256 fg0 = _mm256_setzero_ps(), fg1 = fg0, fp0 = fg0, fp1 = fg0;                 \
+        TERMS(BNBW_BLOCK_ADD16);                                                           \
+        BNBW_BLOCK_FLUSH(TERMS(BNBW_ACCUMULATE16));                                        \
+    } while (0)
+
 BNBW_AVX2_INLINE void bnbw_reduce_row_body(const void *x, const void *dy, int64_t n,
-                                           float mean, double out[2], int dt)
+                                           float mean, double out[2], int blocked, int dt)
 {
     __m256d g0 = _mm256_setzero_pd(), g1 = g0, g2 = g0, g3 = g0;
     __m256d p0 = g0, p1 = g0, p2 = g0, p3 = g0;
     const __m256 m = _mm256_set1_ps(mean);
     int64_t i = 0;
+    const int64_t block = BNBW_BLOCK_RUNS * BNBW_LANES;
+#define BNBW_RUN_TERMS(ADD16) for (int64_t k = i; k < i + block; k += BNBW_LANES)         \
+        ADD16(bnbw_load8(dy, k, dt), bnbw_load8(dy, k + 8, dt),                             \
+              _mm256_sub_ps(bnbw_load8(x, k, dt), m), _mm256_sub_ps(bnbw_load8(x, k + 8, dt), m))
+    for (; blocked && i + block <= n; i += block)
+        BNBW_BLOCK_SUM(BNBW_RUN_TERMS);
+#undef BNBW_RUN_TERMS
     for (; i + BNBW_LANES <= n; i += BNBW_LANES)
         BNBW_ACCUMULATE16(bnbw_load8(dy, i, dt), bnbw_load8(dy, i + 8, dt),
                           _mm256_sub_ps(bnbw_load8(x, i, dt), m),
@@ -406,12 +532,14 @@ BNBW_AVX2_INLINE void bnbw_scale_row_body(const void *dy, void *dx, int64_t n, f
 BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const void *dy,
                                             int64_t dy_row, int64_t rows, int64_t n,
                                             const float *mean, double *sum_g, double *sum_xg,
-                                            int streaming, int dt)
+                                            int streaming, int blocked, int dt)
 {
     int64_t n16 = n - n % 16;
     int64_t row_bytes = x_row * (dt == BNBW_F32 ? 4 : 2);
     int64_t group = streaming && row_bytes >= BNBW_ONE_ROW_FROM && row_bytes <= BNBW_ONE_ROW_TO
                     ? 1 : BNBW_ROW_GROUP;
+    if (blocked)                   /* a group is a block */
+        group = BNBW_BLOCK_ROWS;
     for (int64_t r = 0; r < rows; r += group) {
         int64_t nr = rows - r < group ? rows - r : group;
         for (int64_t c = 0; c < n16; c += 16) {
@@ -420,12 +548,15 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
             __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
             __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
             const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
-            for (int64_t j = r; j < r + nr; ++j) {
-                int64_t xi = j * x_row + c, gi = j * dy_row + c;
-                BNBW_ACCUMULATE16(bnbw_load8(dy, gi, dt), bnbw_load8(dy, gi + 8, dt),
-                                  _mm256_sub_ps(bnbw_load8(x, xi, dt), ma),
-                                  _mm256_sub_ps(bnbw_load8(x, xi + 8, dt), mb));
-            }
+#define BNBW_ROW_TERMS(ADD16) for (int64_t j = r; j < r + nr; ++j)                          \
+                ADD16(bnbw_load8(dy, j * dy_row + c, dt), bnbw_load8(dy, j * dy_row + c + 8, dt), \
+                      _mm256_sub_ps(bnbw_load8(x, j * x_row + c, dt), ma),                  \
+                      _mm256_sub_ps(bnbw_load8(x, j * x_row + c + 8, dt), mb))
+            if (blocked)
+                BNBW_BLOCK_SUM(BNBW_ROW_TERMS);
+            else
+                BNBW_ROW_TERMS(BNBW_ACCUMULATE16);
+#undef BNBW_ROW_TERMS
             _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
             _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
             _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
@@ -443,11 +574,19 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
         __m256d g2 = _mm256_loadu_pd(sg + 8), g3 = _mm256_loadu_pd(sg + 12);
         __m256d p0 = _mm256_loadu_pd(sxg), p1 = _mm256_loadu_pd(sxg + 4);
         __m256d p2 = _mm256_loadu_pd(sxg + 8), p3 = _mm256_loadu_pd(sxg + 12);
-        for (int64_t r = 0; r < rows; ++r) {
-            __m256 xa, xb, ya, yb;
-            bnbw_load_part16(x, r * x_row + n16, t, dt, &xa, &xb);
-            bnbw_load_part16(dy, r * dy_row + n16, t, dt, &ya, &yb);
-            BNBW_ACCUMULATE16(ya, yb, _mm256_sub_ps(xa, ma), _mm256_sub_ps(xb, mb));
+        for (int64_t r = 0; r < rows; r += group) {
+            int64_t nr = rows - r < group ? rows - r : group;
+#define BNBW_PART_TERMS(ADD16) for (int64_t j = r; j < r + nr; ++j) {                      \
+                __m256 xa, xb, ya, yb;                                                      \
+                bnbw_load_part16(x, j * x_row + n16, t, dt, &xa, &xb);                      \
+                bnbw_load_part16(dy, j * dy_row + n16, t, dt, &ya, &yb);                    \
+                ADD16(ya, yb, _mm256_sub_ps(xa, ma), _mm256_sub_ps(xb, mb));                \
+            }
+            if (blocked)
+                BNBW_BLOCK_SUM(BNBW_PART_TERMS);
+            else
+                BNBW_PART_TERMS(BNBW_ACCUMULATE16);
+#undef BNBW_PART_TERMS
         }
         _mm256_storeu_pd(sg, g0); _mm256_storeu_pd(sg + 4, g1);
         _mm256_storeu_pd(sg + 8, g2); _mm256_storeu_pd(sg + 12, g3);
@@ -528,8 +667,8 @@ BNBW_AVX2_INLINE void bnbw_scale_rows_body(const void *dy, int64_t dy_row, void 
 #define BNBW_AVX2_KERNEL static __attribute__((noinline, target("avx2,fma,f16c"))) void
 
 BNBW_AVX2_KERNEL bnbw_reduce_row_avx2(const void *x, const void *dy, int64_t n, float mean,
-                                      double out[2], int dt)
-{ BNBW_PER_TYPE(dt, bnbw_reduce_row_body(x, dy, n, mean, out, T)); }
+                                      double out[2], int blocked, int dt)
+{ BNBW_PER_TYPE(dt, bnbw_reduce_row_body(x, dy, n, mean, out, blocked, T)); }
 
 BNBW_AVX2_KERNEL bnbw_apply_row_avx2(const void *x, const void *dy, void *dx, int64_t n,
                                      float mean, float k1, float k2, float k3, int dt)
@@ -541,10 +680,10 @@ BNBW_AVX2_KERNEL bnbw_scale_row_avx2(const void *dy, void *dx, int64_t n, float 
 BNBW_AVX2_KERNEL bnbw_reduce_rows_avx2(const void *x, int64_t x_row, const void *dy,
                                        int64_t dy_row, int64_t rows, int64_t n,
                                        const float *mean, double *sum_g, double *sum_xg,
-                                       int streaming, int dt)
+                                       int streaming, int blocked, int dt)
 {
     BNBW_PER_TYPE(dt, bnbw_reduce_rows_body(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg,
-                                            streaming, T));
+                                            streaming, blocked, T));
 }
 
 BNBW_AVX2_KERNEL bnbw_apply_rows_avx2(const void *x, int64_t x_row, const void *dy,
@@ -564,11 +703,11 @@ BNBW_AVX2_KERNEL bnbw_scale_rows_avx2(const void *dy, int64_t dy_row, void *dx, 
 BNBW_AVX2_INLINE void bnbw__reduce_run_body(const char *x, int64_t x_step, const char *dy,
                                             int64_t dy_step, int64_t n, int64_t count,
                                             const float *mean, double *sums, int64_t sums_step,
-                                            int dt)
+                                            int blocked, int dt)
 {
     for (int64_t r = 0; r < count; ++r, x += x_step, dy += dy_step, sums += sums_step) {
         double part[2];
-        bnbw_reduce_row_body(x, dy, n, mean[r], part, dt);
+        bnbw_reduce_row_body(x, dy, n, mean[r], part, blocked, dt);
         sums[0] += part[0];
         sums[1] += part[1];
     }
@@ -595,10 +734,10 @@ BNBW_AVX2_INLINE void bnbw__scale_run_body(const char *dy, int64_t dy_step, char
 BNBW_AVX2_KERNEL bnbw_reduce_row_run_avx2(const void *x, int64_t x_step, const void *dy,
                                           int64_t dy_step, int64_t n, int64_t count,
                                           const float *mean, double *sums, int64_t sums_step,
-                                          int dt)
+                                          int blocked, int dt)
 {
     BNBW_PER_TYPE(dt, bnbw__reduce_run_body((const char *)x, x_step, (const char *)dy, dy_step,
-                                            n, count, mean, sums, sums_step, T));
+                                            n, count, mean, sums, sums_step, blocked, T));
 }
 
 BNBW_AVX2_KERNEL bnbw_apply_row_run_avx2(const void *x, int64_t x_step, const void *dy,
@@ -639,12 +778,13 @@ static inline int bnbw_kernels_take(int dt) { return dt == BNBW_F32 || bnbw_avx2
 #define BNBW_DISPATCH(avx2_call, portable_call) portable_call
 #endif
 
-/* out[0] = Sum dy, out[1] = Sum (x - mean) * dy over the row (assigned, not accumulated). */
+/* out[0] = Sum dy, out[1] = Sum (x - mean) * dy over the row (assigned, not accumulated);
+ * blocked: in f32 blocks (see the header). */
 static void bnbw_reduce_row(const void *x, const void *dy, int64_t n, float mean, double out[2],
-                            int dt)
+                            int blocked, int dt)
 {
-    BNBW_DISPATCH(bnbw_reduce_row_avx2(x, dy, n, mean, out, dt),
-                  bnbw_reduce_row_portable(x, dy, n, mean, out));
+    BNBW_DISPATCH(bnbw_reduce_row_avx2(x, dy, n, mean, out, blocked, dt),
+                  bnbw_reduce_row_portable(x, dy, n, mean, out, blocked));
 }
 
 static void bnbw_apply_row(const void *x, const void *dy, void *dx, int64_t n, float mean,
@@ -660,14 +800,16 @@ static void bnbw_scale_row(const void *dy, void *dx, int64_t n, float k1, int dt
 }
 
 /* sum_g[c] += Sum_r dy[r][c];  sum_xg[c] += Sum_r (x[r][c] - mean[c]) * dy[r][c].
- * streaming: a hint that the rows come from memory rather than cache (visiting order only). */
+ * streaming: a hint that the rows come from memory rather than cache (visiting order only);
+ * blocked: in f32 blocks of BNBW_BLOCK_ROWS rows from the first (see the header). */
 static void bnbw_reduce_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
                              int64_t rows, int64_t n, const float *mean, double *sum_g,
-                             double *sum_xg, int streaming, int dt)
+                             double *sum_xg, int streaming, int blocked, int dt)
 {
     BNBW_DISPATCH(bnbw_reduce_rows_avx2(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg,
-                                        streaming, dt),
-                  bnbw_reduce_rows_portable(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg));
+                                        streaming, blocked, dt),
+                  bnbw_reduce_rows_portable(x, x_row, dy, dy_row, rows, n, mean, sum_g, sum_xg,
+                                            blocked));
 }
 
 static void bnbw_apply_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
@@ -693,11 +835,12 @@ static void bnbw_scale_rows(const void *dy, int64_t dy_row, void *dx, int64_t dx
  * r's two sums, exactly as bnbw_reduce_row returns them, to sums[r * sums_step + 0, 1]. */
 static void bnbw_reduce_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
                                 int64_t n, int64_t count, const float *mean, double *sums,
-                                int64_t sums_step, int dt)
+                                int64_t sums_step, int blocked, int dt)
 {
 #ifdef BNBW_HAVE_AVX2_KERNELS
     if (bnbw_avx2_kernels()) {
-        bnbw_reduce_row_run_avx2(x, x_step, dy, dy_step, n, count, mean, sums, sums_step, dt);
+        bnbw_reduce_row_run_avx2(x, x_step, dy, dy_step, n, count, mean, sums, sums_step,
+                                 blocked, dt);
         return;
     }
 #endif
@@ -706,7 +849,7 @@ static void bnbw_reduce_row_run(const void *x, int64_t x_step, const void *dy, i
         double part[2];
         bnbw_reduce_row_portable((const float *)(const void *)((const char *)x + r * x_step),
                                  (const float *)(const void *)((const char *)dy + r * dy_step),
-                                 n, mean[r], part);
+                                 n, mean[r], part, blocked);
         sums[r * sums_step] += part[0];
         sums[r * sums_step + 1] += part[1];
     }

@@ -386,9 +386,11 @@ M_BIG = 1 << 24
 
 
 @functools.cache
-def accuracy_case(dy_kind):
+def accuracy_case(dy_kind, storage):
+    """x, dy stored as `storage` (f16/bf16 sums go through f32 blocks: the same bound);
+    mean and var those of the stored x."""
     rng = np.random.default_rng(24)
-    x = (1000.0 + rng.standard_normal(M_BIG, dtype=np.float32)).astype(np.float32)
+    x = (1000.0 + rng.standard_normal(M_BIG, dtype=np.float32)).astype(storage)
     x64 = x.astype(np.float64)
     mean, var = x64.mean(), x64.var()
     noise = rng.standard_normal(M_BIG, dtype=np.float32)
@@ -396,13 +398,15 @@ def accuracy_case(dy_kind):
         dy = noise
     else:  # correlated with x, non-zero mean: both sums are large, no cancellation in the refs
         dy = ((x64 - mean) + 0.1 + 0.5 * noise).astype(np.float32)
-    return x, dy, np.float32([mean]), np.float32([var])
+    return x, dy.astype(storage), np.float32([mean]), np.float32([var])
 
 
+@pytest.mark.parametrize("storage", [F32, np.dtype(np.float16)] + ([BF16] if BF16 else []),
+                         ids=lambda t: str(t))
 @pytest.mark.parametrize("dy_kind", ["random", "correlated"])
 @pytest.mark.parametrize("data_format, shape", [("NXC", (M_BIG, 1)), ("NCX", (1, 1, M_BIG))])
-def test_parameter_gradients_accurate_for_2_24_elements(data_format, shape, dy_kind):
-    x, dy, mean, var = accuracy_case(dy_kind)
+def test_parameter_gradients_accurate_for_2_24_elements(data_format, shape, dy_kind, storage):
+    x, dy, mean, var = accuracy_case(dy_kind, storage)
     case = dict(src=x.reshape(shape), diff_dst=dy.reshape(shape), mean=mean, variance=var)
     result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
                                                      data_format=data_format)
