@@ -116,3 +116,14 @@ def test_split_times_both_phases(probe):
     training, frozen = runner.run_shapes(TINY)
     assert training.split["reduce_ms"] > 0 and training.split["apply_ms"] > 0
     assert frozen.split is None
+
+
+def test_half_training_table_times_every_dtype_and_layout():
+    spec = importlib.util.spec_from_file_location("bnbw_bench_half", BENCH / "bench_half.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    times, keys = module.half_training_ratios((2, 3, 4, 5), rounds=2)
+    assert keys[:2] == ["f32", "f16"]
+    assert set(times) == {(layout, threads, key) for layout in ("NCX", "NXC")
+                          for threads in (1, 2) for key in keys}
+    assert all(t > 0 for t in times.values())
