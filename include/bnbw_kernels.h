@@ -526,7 +526,6 @@ BNBW_AVX2_INLINE void bnbw_scale_row_body(const void *dy, void *dx, int64_t n, f
  * ones as separate pages ((256, 2048) 1.3x slower one at a time), and from cache four at a time
  * stay 10-30% faster.  Either way each channel adds its rows in row order: the same bits. */
 #define BNBW_ROW_GROUP 4
-#define BNBW_LANED_MAX 512             /* channels: bnbw_apply_rows_body's bf16 constants */
 #define BNBW_ONE_ROW_FROM 257          /* bytes per row: the range that goes one at a time */
 #define BNBW_ONE_ROW_TO 2048
 
@@ -598,19 +597,27 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
     }
 }
 
-/* Channel-last bf16 rows go through the elementwise kernels as even and odd elements
- * (bnbw_load16_lanes: a shift and a mask, no widening or packing shuffles), their per-channel
- * constants put in that order once per call into a stack copy of at most BNBW_LANED_MAX:
- * (32, 56, 56, 64) bf16 apply 1.14-1.22x as fast, training 0.90x the time (1 thread).  dst
- * holds src's first n16 values, each run of 16 as its even elements, then its odd ones. */
-BNBW_AVX2_INLINE void bnbw__laned(const float *src, float *dst, int64_t n16)
+/* The channel-last elementwise kernels take runs of 16 channels in bnbw_load16_lanes order,
+ * so bf16 rows go as even and odd elements (a shift and a mask, no widening or packing
+ * shuffles: (32, 56, 56, 64) bf16 apply 1.14-1.22x as fast, training 0.90x the time, 1 thread).
+ * Their per-channel constants must then be in that order too: bnbw__lane_order gives src's
+ * channels c0..c0+w (w a multiple of 16; at most BNBW_LANED_MAX for bf16) in dt's lane order:
+ * src itself for f32 and f16, a copy into `copy` for bf16. */
+BNBW_AVX2_INLINE const float *bnbw__lane_order(const float *src, int64_t c0, int64_t w,
+                                               float *copy, int dt)
 {
-    for (int64_t c = 0; c < n16; c += 16)
+    if (dt != BNBW_BF16)
+        return src + c0;
+    for (int64_t c = 0; c < w; c += 16)
         for (int k = 0; k < 8; ++k) {
-            dst[c + k] = src[c + 2 * k];
-            dst[c + 8 + k] = src[c + 2 * k + 1];
+            copy[c + k] = src[c0 + c + 2 * k];
+            copy[c + 8 + k] = src[c0 + c + 2 * k + 1];
         }
+    return copy;
 }
+
+/* Channels per slice of the bf16 channel-last elementwise kernels (their constant copies). */
+#define BNBW_LANED_MAX 512
 
 BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const void *dy,
                                            int64_t dy_row, void *dx, int64_t dx_row,
@@ -618,16 +625,17 @@ BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const v
                                            const float *k1, const float *k2, const float *k3,
                                            int dt)
 {
-    if (dt == BNBW_BF16 && n <= BNBW_LANED_MAX) {
-        float lm[BNBW_LANED_MAX], l1[BNBW_LANED_MAX], l2[BNBW_LANED_MAX], l3[BNBW_LANED_MAX];
-        int64_t n16 = n - n % 16;
-        bnbw__laned(mean, lm, n16);
-        bnbw__laned(k1, l1, n16);
-        bnbw__laned(k2, l2, n16);
-        bnbw__laned(k3, l3, n16);
+    float cm[BNBW_LANED_MAX], c1[BNBW_LANED_MAX], c2[BNBW_LANED_MAX], c3[BNBW_LANED_MAX];
+    int64_t n16 = n - n % 16, slice = dt == BNBW_BF16 ? BNBW_LANED_MAX : n16;
+    for (int64_t c0 = 0; c0 < n16; c0 += slice) {      /* one slice unless bf16 */
+        int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
+        const float *lm = bnbw__lane_order(mean, c0, w, cm, dt);
+        const float *l1 = bnbw__lane_order(k1, c0, w, c1, dt);
+        const float *l2 = bnbw__lane_order(k2, c0, w, c2, dt);
+        const float *l3 = bnbw__lane_order(k3, c0, w, c3, dt);
         for (int64_t r = 0; r < rows; ++r) {
-            int64_t xi = r * x_row, gi = r * dy_row, di = r * dx_row;
-            for (int64_t c = 0; c < n16; c += 16) {
+            int64_t xi = r * x_row + c0, gi = r * dy_row + c0, di = r * dx_row + c0;
+            for (int64_t c = 0; c < w; c += 16) {
                 __m256 xa, xb, ya, yb;
                 bnbw_load16_lanes(x, xi + c, dt, &xa, &xb);
                 bnbw_load16_lanes(dy, gi + c, dt, &ya, &yb);
@@ -640,15 +648,6 @@ BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const v
                     dt);
             }
         }
-    } else
-    for (int64_t r = 0; r < rows; ++r) {
-        int64_t xi = r * x_row, gi = r * dy_row, di = r * dx_row, c = 0;
-#define BNBW_APPLY8(j) bnbw__apply8(bnbw_load8(x, xi + (j), dt), bnbw_load8(dy, gi + (j), dt), \
-                                   _mm256_loadu_ps(mean + (j)), _mm256_loadu_ps(k1 + (j)),     \
-                                   _mm256_loadu_ps(k2 + (j)), _mm256_loadu_ps(k3 + (j)))
-        for (; c + 16 <= n; c += 16)
-            bnbw_store16(dx, di + c, BNBW_APPLY8(c), BNBW_APPLY8(c + 8), dt);
-#undef BNBW_APPLY8
     }
     if (n % 16) {                  /* the last t < 16 channels, padded to 16 lanes */
         int64_t c = n - n % 16, t = n - c;
@@ -671,25 +670,19 @@ BNBW_AVX2_INLINE void bnbw_scale_rows_body(const void *dy, int64_t dy_row, void 
                                            int64_t dx_row, int64_t rows, int64_t n,
                                            const float *k1, int dt)
 {
-    if (dt == BNBW_BF16 && n <= BNBW_LANED_MAX) {      /* as in bnbw_apply_rows_body */
-        float l1[BNBW_LANED_MAX];
-        int64_t n16 = n - n % 16;
-        bnbw__laned(k1, l1, n16);
+    float c1[BNBW_LANED_MAX];
+    int64_t n16 = n - n % 16, slice = dt == BNBW_BF16 ? BNBW_LANED_MAX : n16;
+    for (int64_t c0 = 0; c0 < n16; c0 += slice) {      /* as in bnbw_apply_rows_body */
+        int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
+        const float *l1 = bnbw__lane_order(k1, c0, w, c1, dt);
         for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < n16; c += 16) {
+            for (int64_t c = 0; c < w; c += 16) {
                 __m256 ya, yb;
-                bnbw_load16_lanes(dy, r * dy_row + c, dt, &ya, &yb);
-                bnbw_store16_lanes(dx, r * dx_row + c, _mm256_mul_ps(_mm256_loadu_ps(l1 + c), ya),
+                bnbw_load16_lanes(dy, r * dy_row + c0 + c, dt, &ya, &yb);
+                bnbw_store16_lanes(dx, r * dx_row + c0 + c,
+                                   _mm256_mul_ps(_mm256_loadu_ps(l1 + c), ya),
                                    _mm256_mul_ps(_mm256_loadu_ps(l1 + c + 8), yb), dt);
             }
-    } else
-    for (int64_t r = 0; r < rows; ++r) {
-        int64_t gi = r * dy_row, di = r * dx_row, c = 0;
-        for (; c + 16 <= n; c += 16)
-            bnbw_store16(dx, di + c,
-                         _mm256_mul_ps(_mm256_loadu_ps(k1 + c), bnbw_load8(dy, gi + c, dt)),
-                         _mm256_mul_ps(_mm256_loadu_ps(k1 + c + 8), bnbw_load8(dy, gi + c + 8, dt)),
-                         dt);
     }
     if (n % 16) {                  /* the last t < 16 channels, as in bnbw_apply_rows_body */
         int64_t c = n - n % 16, t = n - c;
