@@ -95,6 +95,7 @@ cdef extern from "bnbw_kernels.h" nogil:
                             int64_t n, int64_t count, const float *k1, int dt)
     int bnbw_kernels_take(int dt)
     int BNBW_BLOCK_ROWS
+    int BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD
     int bnbw_avx2_kernels()
 
 cdef extern from *:
@@ -330,7 +331,7 @@ ctypedef struct Operands:
     int dtype        # storage type of x, dy, dx
     bint direct      # the kernels read and write x, dy, dx where they are, in their own type
     int kdt          # what the kernels are told the rows hold: dtype when direct, else f32
-    bint blocked     # sums in f32 blocks (bnbw_kernels.h): f16/bf16 storage, see _blocked_sums
+    int blocked      # sums in f32 blocks or not (bnbw_kernels.h's codes), see _blocked_sums
     bint streaming   # x and dy outgrow an L2 (2 * FUSE_MIN): a pass is likely to read them
                      # from memory (a call rarely finds its inputs still in L3)
 
@@ -672,7 +673,7 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     o.dtype = p.big_dtype
     o.direct = _direct(p)
     o.kdt = p.big_dtype if o.direct else DT_F32
-    o.blocked = _blocked_sums(p) and not (op & OP_EXACT_SUMS)
+    o.blocked = BNBW_EXACT_SUMS if op & OP_EXACT_SUMS else _blocked_sums(p)
     o.streaming = 2 * itemsize(p.big_dtype) * C * p.count > 2 * FUSE_MIN
     for c in range(C):
         o.mean[c] = load_stat(ptr[SLOT_MEAN], p.stat_dtype, chan_origin(p, SLOT_MEAN, c))
@@ -769,13 +770,16 @@ cdef bint _direct(const Plan *p) noexcept nogil:
     return True
 
 
-cdef bint _blocked_sums(const Plan *p) noexcept nogil:
-    """f16 and bf16 sums go through f32 blocks (bnbw_kernels.h: 5 widening operations per 16
-    halves instead of 12, and a half's own precision is far coarser).  A block must span the
-    same terms on every path: channel-major rows are cut alike everywhere (row_span), and
-    channel-last slabs hold whole blocks - except rows that do not share one stride, which go
-    to the kernels one at a time and so keep f64 terms."""
-    return p.big_dtype != DT_F32 and not (p.channel_last and p.n_outer > 1)
+cdef int _blocked_sums(const Plan *p) noexcept nogil:
+    """f16 and bf16 sums go through f32 blocks (bnbw_kernels.h: 4.5 widening operations per 16
+    halves instead of 12, and a half's own precision is far coarser), bf16 in the lane order it
+    loads cheapest - on every path, staged f32 rows included.  A block must span the same terms
+    on every path: channel-major rows are cut alike everywhere (row_span), and channel-last
+    slabs hold whole blocks - except rows that do not share one stride, which go to the kernels
+    one at a time and so keep f64 terms."""
+    if p.big_dtype == DT_F32 or (p.channel_last and p.n_outer > 1):
+        return BNBW_EXACT_SUMS
+    return BNBW_BLOCKS_EVEN_ODD if p.big_dtype == DT_BF16 else BNBW_BLOCKS
 
 
 cdef inline bint _sweeps(const Plan *p) noexcept nogil:

@@ -17,7 +17,7 @@ def backward_reduce(x, dy, mean, *, data_format="NXC", num_threads=None, exact_s
     """Local per-channel sums: returns (partial, count), partial float64 (2, C), count int.
 
     f16 and bf16 inputs are summed as every backward call sums them: in short float32 blocks
-    added into float64, within ~2^-21 of the sum of |terms| (README, "Accuracy").
+    added into float64, within ~2^-20 of the sum of |terms| (README, "Accuracy").
     exact_sums=True adds every term in float64 instead (slower; what a caller that derives
     statistics by cancelling algebra needs, e.g. Sum x*x - n*mean^2)."""
     check_choice(data_format, "data_format", ("NXC", "NCX"))

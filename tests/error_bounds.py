@@ -18,10 +18,10 @@ the six roundings).  dscale is within 2^-20 r Sum |x - mu||g|, dbias within 2^-3
 the subnormal spacing.  These bounds are tight enough to catch any formula error (an M - 1 for
 an M moves dx by ~1/M of its size, 2^-12 at M = 4096, far above 2^-20).
 
-f16/bf16 storage sums in f32 blocks of up to 8 terms per lane (bnbw_kernels.h): at most 9
-roundings of 2^-24 relative to the sum of |terms|, which ARITH already covers in dscale; dbias
-then errs by up to 2^-21 Sum |g|, and k3 (through Sum g) moves dx by up to
-2^-21 |gamma| r Sum |g| / M, which the dx bound adds as ARITH |gamma| r Sum |g| / M.
+f16/bf16 storage sums in f32 blocks of up to 16 terms per lane (bnbw_kernels.h): at most 17
+roundings of 2^-24 relative to the sum of |terms| (BLOCKED_SUMS), which dscale's bound adds to
+ARITH; dbias then errs by up to BLOCKED_SUMS Sum |g|, and k3 (through Sum g) moves dx by up to
+BLOCKED_SUMS |gamma| r Sum |g| / M, which the dx bound adds as 2 ARITH |gamma| r Sum |g| / M.
 """
 import numpy as np
 
@@ -43,7 +43,7 @@ if BF16 is not None:
 
 ARITH = 2.0 ** -20          # f32 arithmetic, with margin (module docstring)
 SUMS = 2.0 ** -30           # f64 sums of f32 values
-BLOCKED_SUMS = 2.0 ** -21   # f32 blocks of f16/bf16 terms, then f64 (module docstring)
+BLOCKED_SUMS = 17 * 2.0 ** -24   # f32 blocks of f16/bf16 terms, then f64 (module docstring)
 
 
 def f64(a):
@@ -72,9 +72,9 @@ def expected(x, dy, mean, var, scale, *, epsilon, axes, formula, count=None):
         else:
             s_xg = np.abs(((x - mu) * g).sum(axis=axes, keepdims=True))
             s_g = np.abs(g.sum(axis=axes, keepdims=True))
-            dx_bound = ARITH * (a_term + gamma * r * (s_g + s_gabs * blocked) / m
+            dx_bound = ARITH * (a_term + gamma * r * (s_g + 2 * s_gabs * blocked) / m
                                 + gamma * r ** 3 * d * (s_xg + s_abs) / m)
-        dscale_bound = ARITH * r * s_abs
+        dscale_bound = (ARITH + BLOCKED_SUMS * blocked) * r * s_abs
         dbias_bound = (BLOCKED_SUMS if blocked else SUMS) * s_gabs
     return ref, (dx_bound, dscale_bound, dbias_bound)
 
