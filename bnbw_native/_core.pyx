@@ -260,9 +260,6 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
         if p.block < (M + s - 1) // s:
             p.block = (M + s - 1) // s
         p.nblocks = (M + p.block - 1) // p.block
-        # blocked sums need slabs of whole blocks: at least BNBW_BLOCK_ROWS rows per tile
-        p.group = TILE if big_dtype == DT_F32 else TILE // BNBW_BLOCK_ROWS
-        p.ngroups = (C + p.group - 1) // p.group
     else:
         p.n_outer = nred - 1 if nred > 0 else 0
         if nred > 0:
@@ -278,6 +275,13 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
         p.outer_size[i] = rsize[i]
         for t in range(3):
             p.outer_stride[t][i] = rstride[t][i]
+    if p.channel_last:
+        # channels per item: whole rows up to TILE (narrower slices of wide rows read memory
+        # in short strided pieces: (32, 14, 14, 1024) f16 reduce 1.6x, apply 2.7x slower in
+        # 512-channel slices), except that staged halves need slabs of whole blocks of
+        # blocked sums: BNBW_BLOCK_ROWS rows per tile
+        p.group = TILE // BNBW_BLOCK_ROWS if big_dtype != DT_F32 and not _direct(p) else TILE
+        p.ngroups = (C + p.group - 1) // p.group
     return 0
 
 

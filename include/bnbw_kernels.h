@@ -61,11 +61,13 @@ enum { BNBW_F32 = 0, BNBW_F16 = 1, BNBW_BF16 = 2 };
 
 /* Blocked sums (see the header): a channel-major block is BNBW_BLOCK_RUNS runs of 16 elements
  * from the start of the row piece a kernel is given, a channel-last block BNBW_BLOCK_ROWS rows
- * from the first row of the call (the engine cuts calls at multiples of it).  Sixteen runs
- * rather than 8 halve the cost of adding the blocks into f64 (blocked f16 reduction 1.2x as
- * fast in L1) for a bound of 2^-20 instead of 2^-21. */
+ * from the first row of the call (the engine cuts calls at multiples of it).  Sixteen terms per
+ * lane rather than 8 (runs) or 4 (rows) cut the cost of adding the blocks into f64 - in a
+ * channel-last block that includes loading and storing its channels' f64 sums - for a bound of
+ * 2^-20 instead of 2^-21: blocked reductions in L1 1.2x (f16 channel-major) to 1.7x (f16
+ * channel-last) as fast. */
 #define BNBW_BLOCK_RUNS 16
-#define BNBW_BLOCK_ROWS 4
+#define BNBW_BLOCK_ROWS 16
 
 /* The kernels' `blocked` argument.  Channel-last kernels take any nonzero value as
  * BNBW_BLOCKS (their lanes are channels).  In a channel-major block, lane l (0..15) of
@@ -434,15 +436,16 @@ BNBW_AVX2_INLINE __m256 bnbw__apply8(__m256 x, __m256 g, __m256 m, __m256 k1, __
         p3 = _mm256_fmadd_pd(BNBW_WIDEN_HI(DB), w3_, p3);                    \
     } while (0)
 
-/* Blocked sums (see the header): dy (GA, GB) added to the f32 block sums fg0, fg1 and
- * (x - mean) * dy (DA, DB times GA, GB), rounded to f32, to fp0, fp1 - lane for lane as
- * bnbw__reduce_block_portable does. */
-#define BNBW_BLOCK_ADD16(GA, GB, DA, DB) do {                                              \
+/* Blocked sums (see the header): dy (GA, GB) added to the f32 block sums G0, G1 and
+ * (x - mean) * dy (DA, DB times GA, GB), rounded to f32, to P0, P1 - lane for lane as
+ * bnbw__reduce_block_portable does.  BNBW_BLOCK_ADD16 adds to fg0, fg1, fp0, fp1. */
+#define BNBW_BLOCK_ADD16_TO(G0, G1, P0, P1, GA, GB, DA, DB) do {                           \
         __m256 ga_ = (GA), gb_ = (GB);                                                     \
-        fg0 = _mm256_add_ps(fg0, ga_); fg1 = _mm256_add_ps(fg1, gb_);                      \
-        fp0 = BNBW_ADD_ON_FMA(fp0, _mm256_mul_ps((DA), ga_));                              \
-        fp1 = BNBW_ADD_ON_FMA(fp1, _mm256_mul_ps((DB), gb_));                              \
+        G0 = _mm256_add_ps(G0, ga_); G1 = _mm256_add_ps(G1, gb_);                          \
+        P0 = BNBW_ADD_ON_FMA(P0, _mm256_mul_ps((DA), ga_));                                \
+        P1 = BNBW_ADD_ON_FMA(P1, _mm256_mul_ps((DB), gb_));                                \
     } while (0)
+#define BNBW_BLOCK_ADD16(GA, GB, DA, DB) BNBW_BLOCK_ADD16_TO(fg0, fg1, fp0, fp1, GA, GB, DA, DB)
 
 /* All bits set in the lanes where both a and b are finite. */
 BNBW_AVX2_INLINE __m256 bnbw__finite_lanes(__m256 a, __m256 b)
@@ -602,10 +605,141 @@ BNBW_AVX2_INLINE void bnbw_scale_row_body(const void *dy, void *dx, int64_t n, f
  * channels of f32 from DRAM: 0.57-0.78 ns per element four at a time, 0.37-0.45 one at a time;
  * (32, 14, 14, 256) from DRAM 0.67x time), while shorter rows read as one stream anyway, longer
  * ones as separate pages ((256, 2048) 1.3x slower one at a time), and from cache four at a time
- * stay 10-30% faster.  Either way each channel adds its rows in row order: the same bits. */
+ * stay 10-30% faster.  Either way each channel adds its rows in row order: the same bits.
+ * Blocked sums go a block (BNBW_BLOCK_ROWS rows) at a time. */
 #define BNBW_ROW_GROUP 4
 #define BNBW_ONE_ROW_FROM 257          /* bytes per row: the range that goes one at a time */
 #define BNBW_ONE_ROW_TO 2048
+
+/* Rows r..r+nr of channels c..c+15 (means ma, mb) as 16 terms per row (ADD16's arguments). */
+#define BNBW_ROW_TERMS(ADD16) for (int64_t j = r; j < r + nr; ++j)                          \
+        ADD16(bnbw_load8(dy, j * dy_row + c, dt), bnbw_load8(dy, j * dy_row + c + 8, dt),   \
+              BNBW_SUB_ON_FMA(bnbw_load8(x, j * x_row + c, dt), ma),                        \
+              BNBW_SUB_ON_FMA(bnbw_load8(x, j * x_row + c + 8, dt), mb))
+
+/* Adds the f32 block sums fg0..fp1 of rows r..r+nr, channels c..c+15, into sum_g, sum_xg
+ * (BNBW_BLOCK_FLUSH: lanes whose block sums are not finite add the rows' terms in f64). */
+BNBW_AVX2_INLINE void bnbw__rows_flush(const void *x, int64_t x_row, const void *dy,
+                                       int64_t dy_row, int64_t r, int64_t nr, int64_t c,
+                                       __m256 ma, __m256 mb, __m256 fg0, __m256 fg1,
+                                       __m256 fp0, __m256 fp1, double *sum_g, double *sum_xg,
+                                       int dt)
+{
+    __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
+    __m256d g2 = _mm256_loadu_pd(sum_g + c + 8), g3 = _mm256_loadu_pd(sum_g + c + 12);
+    __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
+    __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
+    BNBW_BLOCK_FLUSH(BNBW_ROW_TERMS(BNBW_ACCUMULATE16));
+    _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
+    _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
+    _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
+    _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
+}
+
+/* v, which the compiler must hold whole in a register: a block sum stored with 32-byte stores
+ * and read back as two 16-byte memory operands (what gcc folds the widening into) misses
+ * store forwarding and waits for the stores to retire (wide rows 2-3x slower). */
+BNBW_AVX2_INLINE __m256 bnbw__whole(__m256 v)
+{
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* Channels per slice of the wide-row blocked reduction (its f32 block sums, 16 KiB of stack). */
+#define BNBW_WIDE_SLICE 2048
+
+/* Blocked sums of channels 0..n16 (a multiple of 16) of rows wider than a cache line: rows
+ * one after another, each block's f32 sums in a buffer.  Visiting a block's 16 rows for a few
+ * channels at a time instead reads 32 interleaved streams, which the prefetchers do not follow
+ * (rows of 256 B to 2 KiB: 2.5-3.5x slower from memory); the buffer's loads and stores stay in
+ * L1 at the width they were stored. */
+BNBW_AVX2_INLINE void bnbw__reduce_wide_rows_blocked(const void *x, int64_t x_row,
+                                                     const void *dy, int64_t dy_row,
+                                                     int64_t rows, int64_t n16,
+                                                     const float *mean, double *sum_g,
+                                                     double *sum_xg, int dt)
+{
+    float bg[BNBW_WIDE_SLICE], bp[BNBW_WIDE_SLICE];
+    for (int64_t c0 = 0; c0 < n16; c0 += BNBW_WIDE_SLICE) {
+        int64_t w = n16 - c0 < BNBW_WIDE_SLICE ? n16 - c0 : BNBW_WIDE_SLICE;
+        for (int64_t r = 0; r < rows; r += BNBW_BLOCK_ROWS) {
+            int64_t nr = rows - r < BNBW_BLOCK_ROWS ? rows - r : BNBW_BLOCK_ROWS;
+            for (int64_t j = r; j < r + nr; ++j)
+                for (int64_t i = 0; i < w; i += 16) {
+                    const int64_t c = c0 + i, xj = j * x_row + c, gj = j * dy_row + c;
+                    const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
+                    __m256 fg0 = _mm256_setzero_ps(), fg1 = fg0, fp0 = fg0, fp1 = fg0;
+                    if (j > r) {
+                        fg0 = _mm256_loadu_ps(bg + i); fg1 = _mm256_loadu_ps(bg + i + 8);
+                        fp0 = _mm256_loadu_ps(bp + i); fp1 = _mm256_loadu_ps(bp + i + 8);
+                    }
+                    BNBW_BLOCK_ADD16(bnbw_load8(dy, gj, dt), bnbw_load8(dy, gj + 8, dt),
+                                     BNBW_SUB_ON_FMA(bnbw_load8(x, xj, dt), ma),
+                                     BNBW_SUB_ON_FMA(bnbw_load8(x, xj + 8, dt), mb));
+                    _mm256_storeu_ps(bg + i, fg0); _mm256_storeu_ps(bg + i + 8, fg1);
+                    _mm256_storeu_ps(bp + i, fp0); _mm256_storeu_ps(bp + i + 8, fp1);
+                }
+            for (int64_t i = 0; i < w; i += 16) {
+                const int64_t c = c0 + i;
+                bnbw__rows_flush(x, x_row, dy, dy_row, r, nr, c, _mm256_loadu_ps(mean + c),
+                                 _mm256_loadu_ps(mean + c + 8),
+                                 bnbw__whole(_mm256_loadu_ps(bg + i)),
+                                 bnbw__whole(_mm256_loadu_ps(bg + i + 8)),
+                                 bnbw__whole(_mm256_loadu_ps(bp + i)),
+                                 bnbw__whole(_mm256_loadu_ps(bp + i + 8)), sum_g, sum_xg, dt);
+            }
+        }
+    }
+}
+
+/* Blocked sums of channels 0..n16 (a multiple of 16), a block of BNBW_BLOCK_ROWS rows at a
+ * time: rows of up to a cache line (BNBW_WIDE_ROW) keep the block sums in registers, 32
+ * channels per visit of the block's rows (a whole 64-byte line of halves at once), wider ones
+ * go through bnbw__reduce_wide_rows_blocked. */
+#define BNBW_WIDE_ROW 128
+BNBW_AVX2_INLINE void bnbw__reduce_rows_blocked(const void *x, int64_t x_row, const void *dy,
+                                                int64_t dy_row, int64_t rows, int64_t n16,
+                                                const float *mean, double *sum_g,
+                                                double *sum_xg, int dt)
+{
+    int64_t isz = dt == BNBW_F32 ? 4 : 2;
+    if (x_row * isz > BNBW_WIDE_ROW || dy_row * isz > BNBW_WIDE_ROW) {
+        bnbw__reduce_wide_rows_blocked(x, x_row, dy, dy_row, rows, n16, mean, sum_g, sum_xg,
+                                       dt);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r += BNBW_BLOCK_ROWS) {
+        int64_t nr = rows - r < BNBW_BLOCK_ROWS ? rows - r : BNBW_BLOCK_ROWS;
+        int64_t c = 0;
+        for (; c + 32 <= n16; c += 32) {
+            const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
+            const __m256 mc = _mm256_loadu_ps(mean + c + 16), md = _mm256_loadu_ps(mean + c + 24);
+            __m256 fg0 = _mm256_setzero_ps(), fg1 = fg0, fp0 = fg0, fp1 = fg0;
+            __m256 hg0 = fg0, hg1 = fg0, hp0 = fg0, hp1 = fg0;
+            for (int64_t j = r; j < r + nr; ++j) {
+                const int64_t xj = j * x_row + c, gj = j * dy_row + c;
+                BNBW_BLOCK_ADD16(bnbw_load8(dy, gj, dt), bnbw_load8(dy, gj + 8, dt),
+                                 BNBW_SUB_ON_FMA(bnbw_load8(x, xj, dt), ma),
+                                 BNBW_SUB_ON_FMA(bnbw_load8(x, xj + 8, dt), mb));
+                BNBW_BLOCK_ADD16_TO(hg0, hg1, hp0, hp1,
+                                    bnbw_load8(dy, gj + 16, dt), bnbw_load8(dy, gj + 24, dt),
+                                    BNBW_SUB_ON_FMA(bnbw_load8(x, xj + 16, dt), mc),
+                                    BNBW_SUB_ON_FMA(bnbw_load8(x, xj + 24, dt), md));
+            }
+            bnbw__rows_flush(x, x_row, dy, dy_row, r, nr, c, ma, mb, fg0, fg1, fp0, fp1, sum_g,
+                             sum_xg, dt);
+            bnbw__rows_flush(x, x_row, dy, dy_row, r, nr, c + 16, mc, md, hg0, hg1, hp0, hp1,
+                             sum_g, sum_xg, dt);
+        }
+        if (c < n16) {             /* one run of 16 channels left */
+            const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
+            __m256 fg0 = _mm256_setzero_ps(), fg1 = fg0, fp0 = fg0, fp1 = fg0;
+            BNBW_ROW_TERMS(BNBW_BLOCK_ADD16);
+            bnbw__rows_flush(x, x_row, dy, dy_row, r, nr, c, ma, mb, fg0, fg1, fp0, fp1, sum_g,
+                             sum_xg, dt);
+        }
+    }
+}
 
 BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const void *dy,
                                             int64_t dy_row, int64_t rows, int64_t n,
@@ -616,29 +750,26 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
     int64_t row_bytes = x_row * (dt == BNBW_F32 ? 4 : 2);
     int64_t group = streaming && row_bytes >= BNBW_ONE_ROW_FROM && row_bytes <= BNBW_ONE_ROW_TO
                     ? 1 : BNBW_ROW_GROUP;
-    if (blocked)                   /* a group is a block */
+    if (blocked) {                 /* a group is a block */
+        bnbw__reduce_rows_blocked(x, x_row, dy, dy_row, rows, n16, mean, sum_g, sum_xg, dt);
         group = BNBW_BLOCK_ROWS;
-    for (int64_t r = 0; r < rows; r += group) {
-        int64_t nr = rows - r < group ? rows - r : group;
-        for (int64_t c = 0; c < n16; c += 16) {
-            __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
-            __m256d g2 = _mm256_loadu_pd(sum_g + c + 8), g3 = _mm256_loadu_pd(sum_g + c + 12);
-            __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
-            __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8), p3 = _mm256_loadu_pd(sum_xg + c + 12);
-            const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
-#define BNBW_ROW_TERMS(ADD16) for (int64_t j = r; j < r + nr; ++j)                          \
-                ADD16(bnbw_load8(dy, j * dy_row + c, dt), bnbw_load8(dy, j * dy_row + c + 8, dt), \
-                      BNBW_SUB_ON_FMA(bnbw_load8(x, j * x_row + c, dt), ma),                \
-                      BNBW_SUB_ON_FMA(bnbw_load8(x, j * x_row + c + 8, dt), mb))
-            if (blocked)
-                BNBW_BLOCK_SUM(BNBW_ROW_TERMS);
-            else
+    } else {
+        for (int64_t r = 0; r < rows; r += group) {
+            int64_t nr = rows - r < group ? rows - r : group;
+            for (int64_t c = 0; c < n16; c += 16) {
+                __m256d g0 = _mm256_loadu_pd(sum_g + c), g1 = _mm256_loadu_pd(sum_g + c + 4);
+                __m256d g2 = _mm256_loadu_pd(sum_g + c + 8);
+                __m256d g3 = _mm256_loadu_pd(sum_g + c + 12);
+                __m256d p0 = _mm256_loadu_pd(sum_xg + c), p1 = _mm256_loadu_pd(sum_xg + c + 4);
+                __m256d p2 = _mm256_loadu_pd(sum_xg + c + 8);
+                __m256d p3 = _mm256_loadu_pd(sum_xg + c + 12);
+                const __m256 ma = _mm256_loadu_ps(mean + c), mb = _mm256_loadu_ps(mean + c + 8);
                 BNBW_ROW_TERMS(BNBW_ACCUMULATE16);
-#undef BNBW_ROW_TERMS
-            _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
-            _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
-            _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
-            _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
+                _mm256_storeu_pd(sum_g + c, g0); _mm256_storeu_pd(sum_g + c + 4, g1);
+                _mm256_storeu_pd(sum_g + c + 8, g2); _mm256_storeu_pd(sum_g + c + 12, g3);
+                _mm256_storeu_pd(sum_xg + c, p0); _mm256_storeu_pd(sum_xg + c + 4, p1);
+                _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
+            }
         }
     }
     if (n16 < n) {                 /* the last t < 16 channels: sums in registers, all rows */
@@ -674,6 +805,7 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
         memcpy(sum_xg + n16, sxg, (size_t)t * sizeof(double));
     }
 }
+#undef BNBW_ROW_TERMS
 
 /* The channel-last elementwise kernels take runs of 16 channels in bnbw_load16_lanes order,
  * so bf16 rows go as even and odd elements (a shift and a mask, no widening or packing
@@ -694,8 +826,9 @@ BNBW_AVX2_INLINE const float *bnbw__lane_order(const float *src, int64_t c0, int
     return copy;
 }
 
-/* Channels per slice of the bf16 channel-last elementwise kernels (their constant copies). */
-#define BNBW_LANED_MAX 512
+/* Channels per slice of the bf16 channel-last elementwise kernels (their constant copies, 32 KiB
+ * of stack): the engine's widest call (TILE), so that it walks each row once. */
+#define BNBW_LANED_MAX 2048
 
 BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const void *dy,
                                            int64_t dy_row, void *dx, int64_t dx_row,

@@ -16,7 +16,7 @@ from bnbw_native import _core, backward_reduce
 from conftest import BF16
 
 HALVES = [np.float16] + ([BF16] if BF16 is not None else [])
-LANES, RUNS, BLOCK_ROWS = 16, 16, 4     # bnbw_kernels.h: BNBW_LANES, _BLOCK_RUNS, _BLOCK_ROWS
+LANES, RUNS, BLOCK_ROWS = 16, 16, 16    # bnbw_kernels.h: BNBW_LANES, _BLOCK_RUNS, _BLOCK_ROWS
 BOUND = (RUNS + 1) * 2.0 ** -24         # a block's roundings, relative to its sum of |terms|
 # BNBW_BLOCKS_EVEN_ODD (bf16): the element of a run that lane l of a block sums
 EVEN_ODD = np.r_[0:LANES:2, 1:LANES:2]
@@ -134,7 +134,8 @@ def test_bf16_blocks_take_even_and_odd_elements(body, strided):
 
 
 @pytest.mark.parametrize("dtype", HALVES)
-@pytest.mark.parametrize("rows, channels", [(1001, 3), (64, 40), (7, 17)])
+@pytest.mark.parametrize("rows, channels", [(1001, 3), (64, 40), (7, 17),
+                                            (50, 200), (33, 2100)])   # rows wider than 128 B
 def test_channel_last_sums_are_the_documented_blocks(rng, body, dtype, rows, channels):
     x, dy = _terms(rng, (rows, channels), dtype)
     mean = rng.standard_normal(channels).astype(np.float32)
@@ -172,24 +173,25 @@ def test_exact_sums_is_a_flag():
 
 
 @pytest.mark.skipif(BF16 is None, reason="ml_dtypes is not installed")
-@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
-def test_blocks_that_overflow_f32_are_redone_in_f64(body, data_format):
+@pytest.mark.parametrize("data_format, lanes", [("NCX", 16), ("NXC", 16), ("NXC", 80)])
+def test_blocks_that_overflow_f32_are_redone_in_f64(body, data_format, lanes):
     """bf16 holds f32's range: four terms of 3e38 overflow an f32 block, not an f64 lane.
-    Lanes 0 and 5 (channel-major) or channels 0 and 5 (channel-last) overflow; the others
-    stay in f32 blocks; every sum must be the exact finite one."""
+    Lanes 0 and 5 (channel-major) or channels 0 and 5 (channel-last; 80 channels make rows
+    wider than 128 B) overflow; the others stay in f32 blocks; every sum must be the exact
+    finite one."""
     big = float(np.float32(BF16.type(3e38)))
-    n, lanes = 256, 16
+    n = 2 * RUNS * LANES if data_format == "NCX" else 2 * BLOCK_ROWS * lanes   # two blocks
     if data_format == "NCX":
         dy = np.full(n, 0.5, np.float32)
         for lane in (0, 5):                  # +big, +big, -big, -big into one lane's block
             dy[[lane, lane + 16, lane + 32, lane + 48]] = [big, big, -big, -big]
-            dy[lane + 128 + 16 * np.arange(8)] = big           # a block that does not cancel
+            dy[lane + RUNS * LANES + 16 * np.arange(8)] = big   # a block that does not cancel
         shape, mean = (1, 1, n), np.float32([0.0])
     else:
         dy = np.full((n // lanes, lanes), 0.5, np.float32)
         for ch in (0, 5):
             dy[0:4, ch] = [big, big, -big, -big]
-            dy[8:10, ch] = [big, -big]
+            dy[BLOCK_ROWS:BLOCK_ROWS + 2, ch] = [big, -big]     # cancels in f32: stays blocked
         shape, mean = dy.shape, np.zeros(lanes, np.float32)
     x = np.ones(shape, BF16)
     g = dy.reshape(shape).astype(BF16)
