@@ -53,6 +53,15 @@ ctypedef struct Plan:
     int64_t nblocks
     int64_t group            # channel-last: channels per work item
     int64_t ngroups
+    # dx in a layout that would change the order of the sums (_plan_for_x_dy): the kernels
+    # write a temporary laid out like x instead, copied into dx afterwards
+    bint dx_via_temp
+    int ndim
+    int64_t sizes[MAX_DIMS]
+    int64_t dx_strides[MAX_DIMS]     # dx's own byte strides
+    int64_t temp_strides[MAX_DIMS]   # the temporary's
+    int64_t temp_low                 # byte offset of the temporary's lowest element (<= 0)
+    int64_t temp_bytes
 
 
 # Engine entry points, callable without the GIL from other Cython modules (the C API table).

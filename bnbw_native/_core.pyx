@@ -142,7 +142,85 @@ cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
 cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char *reduced,
                     const int64_t *strides, int big_dtype, int stat_dtype) noexcept nogil:
     """Fill `p`.  strides: N_SLOTS rows of MAX_DIMS byte strides (row t = slot t).
-    Returns 0, or -1 when out of memory.  The inputs are trusted (the front-ends validate)."""
+    Returns 0, or -1 when out of memory.  The inputs are trusted (the front-ends validate).
+
+    The order in which x and dy are visited (flipped, sorted and merged dims, rows, channel-last
+    or not) decides how the sums round, so it must not depend on where dx lies: out of place
+    or in place, any dx gives the same results.  When dx's layout would change that order, the
+    plan writes a temporary laid out like x (dense, in x's order, which never changes it) and
+    plan_execute copies it into dx."""
+    cdef int64_t alt[N_SLOTS * MAX_DIMS]
+    cdef int64_t low = 0, size = itemsize(big_dtype)
+    cdef int order[MAX_DIMS]
+    cdef Plan other
+    cdef int d, i, j, rc
+    cdef bint like_x = True, like_dy = True
+    rc = _plan_layout(p, ndim, sizes, reduced, strides, big_dtype, stat_dtype)
+    p.dx_via_temp = False
+    if rc != 0 or p.empty:
+        return rc
+    for d in range(ndim):
+        if sizes[d] != 1:
+            like_x = like_x and strides[SLOT_DX * MAX_DIMS + d] == strides[SLOT_X * MAX_DIMS + d]
+            like_dy = like_dy and strides[SLOT_DX * MAX_DIMS + d] == strides[SLOT_DY * MAX_DIMS + d]
+    if like_x or like_dy:
+        return 0                   # dx adds nothing to what x and dy decide (in place too)
+    # the temporary: dense, dims in x's order (outermost = largest |stride|, logical order on
+    # ties), negative where x and dy both are (the dims the plan flips)
+    for d in range(ndim):
+        order[d] = d
+    for i in range(1, ndim):
+        j = i
+        while j > 0 and _abs(strides[order[j - 1]]) < _abs(strides[order[j]]):
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
+    memcpy(alt, strides, N_SLOTS * MAX_DIMS * sizeof(int64_t))
+    for i in range(ndim - 1, -1, -1):
+        d = order[i]
+        if strides[SLOT_X * MAX_DIMS + d] < 0 and strides[SLOT_DY * MAX_DIMS + d] < 0:
+            alt[SLOT_DX * MAX_DIMS + d] = -size
+            low -= (sizes[d] - 1) * size
+        else:
+            alt[SLOT_DX * MAX_DIMS + d] = size
+        size *= sizes[d]
+    rc = _plan_layout(&other, ndim, sizes, reduced, alt, big_dtype, stat_dtype)
+    if rc != 0:
+        plan_free(p)
+        return rc
+    if _same_order(p, &other):
+        plan_free(&other)
+        return 0
+    plan_free(p)
+    p[0] = other
+    p.dx_via_temp = True
+    p.ndim = ndim
+    p.temp_low = low
+    p.temp_bytes = size
+    for d in range(ndim):
+        p.sizes[d] = sizes[d]
+        p.dx_strides[d] = strides[SLOT_DX * MAX_DIMS + d]
+        p.temp_strides[d] = alt[SLOT_DX * MAX_DIMS + d]
+    return 0
+
+
+cdef bint _same_order(const Plan *a, const Plan *b) noexcept nogil:
+    """Whether the two plans visit x and dy alike (and so round every sum alike)."""
+    cdef int i, t
+    if (a.channel_last != b.channel_last or a.n_outer != b.n_outer
+            or a.inner_size != b.inner_size or a.block != b.block or a.nblocks != b.nblocks):
+        return False
+    for t in range(2):
+        if a.base[t] != b.base[t] or a.inner_stride[t] != b.inner_stride[t]:
+            return False
+        for i in range(a.n_outer):
+            if a.outer_size[i] != b.outer_size[i] or a.outer_stride[t][i] != b.outer_stride[t][i]:
+                return False
+    return True
+
+
+cdef int _plan_layout(Plan *p, int ndim, const int64_t *sizes, const unsigned char *reduced,
+                      const int64_t *strides, int big_dtype, int stat_dtype) noexcept nogil:
+    """plan_build for the given strides of all three tensors."""
     cdef int kept[MAX_DIMS]
     cdef int red[MAX_DIMS]
     cdef int nkept = 0, nred = 0, d, t, i, j, k
@@ -643,6 +721,57 @@ cdef int plan_execute(const Plan *p, char **ptr, int op, double eps, double coun
     """Run one operation (Op flags) on the operands ptr[N_SLOTS] (NULL scale means 1).
     `count` is M of the formula (the global count in two-phase use).  Returns 0 or -1 (out of
     memory; nothing written then except possibly dx)."""
+    cdef char *slots[N_SLOTS]
+    cdef char *temp
+    cdef int rc
+    if not (p.dx_via_temp and op & OP_WRITE_DX):
+        return _plan_run(p, ptr, op, eps, count, sums_io, nthreads)
+    temp = <char *> malloc(p.temp_bytes)
+    if temp == NULL:
+        return -1
+    memcpy(slots, ptr, N_SLOTS * sizeof(char *))
+    slots[SLOT_DX] = temp - p.temp_low
+    rc = _plan_run(p, slots, op, eps, count, sums_io, nthreads)
+    if rc == 0:
+        _copy_strided(p.ndim, p.sizes, slots[SLOT_DX], p.temp_strides, ptr[SLOT_DX],
+                      p.dx_strides, itemsize(p.big_dtype))
+    free(temp)
+    return rc
+
+
+cdef void _copy_strided(int ndim, const int64_t *sizes, const char *src,
+                        const int64_t *src_strides, char *dst, const int64_t *dst_strides,
+                        int64_t size) noexcept nogil:
+    """dst[i] = src[i] for every index i of `sizes` (byte strides; elements of `size` bytes)."""
+    cdef int64_t idx[MAX_DIMS]
+    cdef int64_t k, s_off = 0, d_off = 0
+    cdef int d
+    for d in range(ndim):
+        idx[d] = 0
+        if sizes[d] == 0:
+            return
+    while True:
+        for k in range(sizes[ndim - 1]):       # the last dim in a loop, the others counted
+            memcpy(dst + d_off + k * dst_strides[ndim - 1],
+                   src + s_off + k * src_strides[ndim - 1], size)
+        d = ndim - 2
+        while d >= 0:
+            idx[d] += 1
+            s_off += src_strides[d]
+            d_off += dst_strides[d]
+            if idx[d] < sizes[d]:
+                break
+            s_off -= idx[d] * src_strides[d]
+            d_off -= idx[d] * dst_strides[d]
+            idx[d] = 0
+            d -= 1
+        if d < 0:
+            return
+
+
+cdef int _plan_run(const Plan *p, char **ptr, int op, double eps, double count,
+                   double *sums_io, int nthreads) noexcept nogil:
+    """plan_execute on the operands the plan was laid out for."""
     cdef int64_t C = p.channels, c, b, i, n_items
     cdef Operands o
     cdef float *stats = NULL
