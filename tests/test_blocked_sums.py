@@ -28,29 +28,28 @@ def _f64(a):
 
 def _row_model(x, dy, mean):
     """One channel-major row (one kernel call): Sum dy, Sum (x - mean) * dy as the kernels take
-    them - blocks of RUNS runs of LANES in f32 (bf16: lanes in EVEN_ODD order), the remaining
-    runs per term in f64, lanes folded pairwise."""
+    them - blocks of RUNS runs of LANES in f32 (bf16: lanes in EVEN_ODD order), the last block
+    the whole runs left, the tail's terms in f64, lanes folded pairwise."""
     order = EVEN_ODD if BF16 is not None and x.dtype == BF16 else np.arange(LANES)
     x32, g32 = x.astype(np.float32), dy.astype(np.float32)
     d32 = x32 - np.float32(mean)
     n = x32.size
     sg, sxg = np.zeros(LANES), np.zeros(LANES)
     i = 0
-    while i + RUNS * LANES <= n:
+    while i + LANES <= n:
+        runs = min(RUNS, (n - i) // LANES)
         fg, fp = np.zeros(LANES, np.float32), np.zeros(LANES, np.float32)
-        for k in range(RUNS):
+        for k in range(runs):
             s = i + k * LANES + order
             fg = fg + g32[s]
             fp = fp + d32[s] * g32[s]
         assert np.all(np.isfinite(fg)) and np.all(np.isfinite(fp))   # the model's data only
         sg += fg
         sxg += fp
-        i += RUNS * LANES
-    while i < n:                                        # whole runs, then the tail's lanes
-        t = min(LANES, n - i)
-        sg[:t] += _f64(g32[i:i + t])
-        sxg[:t] += _f64(d32[i:i + t]) * _f64(g32[i:i + t])   # exact products
-        i += t
+        i += runs * LANES
+    t = n - i                                           # the tail's lanes
+    sg[:t] += _f64(g32[i:])
+    sxg[:t] += _f64(d32[i:]) * _f64(g32[i:])            # exact products
     width = LANES // 2
     while width:
         sg[:width] += sg[width:2 * width]
