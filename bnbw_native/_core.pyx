@@ -21,6 +21,8 @@ arithmetic.
 
 Plans.  Size-1 dims are dropped, reduced dims with negative strides (in x, dy and dx alike)
 are flipped, sorted outermost-first by x's stride and merged where all three tensors allow.
+A dx whose layout would change that order of x and dy (and so the rounding of the sums) is
+written through a temporary laid out like x (plan_build).
 "Channel-last" when the channel dims merge into one unit-stride dim of x, dy and dx (NXC);
 otherwise "channel-major" (NCX, and every general strided case) with the innermost reduced
 dim as the row.
