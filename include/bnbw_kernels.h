@@ -62,11 +62,11 @@ enum { BNBW_F32 = 0, BNBW_F16 = 1, BNBW_BF16 = 2 };
 /* Blocked sums (see the header): a channel-major block is BNBW_BLOCK_RUNS runs of 16 elements
  * from the start of the row piece a kernel is given (the last block the whole runs left, so
  * that short rows block too), a channel-last block BNBW_BLOCK_ROWS rows from the first row of
- * the call (the engine cuts calls at multiples of it).  Sixteen terms per
- * lane rather than 8 (runs) or 4 (rows) cut the cost of adding the blocks into f64 - in a
- * channel-last block that includes loading and storing its channels' f64 sums - for a bound of
- * 2^-20 instead of 2^-21: blocked reductions in L1 1.2x (f16 channel-major) to 1.7x (f16
- * channel-last) as fast. */
+ * the call (the engine cuts calls at multiples of it).  Sixteen terms per lane rather than 8
+ * (runs) or 4 (rows) cut the cost of adding the blocks into f64 - in a channel-last block that
+ * includes loading and storing its channels' f64 sums - for a bound of 2^-20 instead of
+ * 2^-21: blocked reductions in L1 1.2x (f16 channel-major) to 1.7x (f16 channel-last) as
+ * fast. */
 #define BNBW_BLOCK_RUNS 16
 #define BNBW_BLOCK_ROWS 16
 
