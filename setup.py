@@ -95,6 +95,7 @@ def extension(name, sources):
         define_macros=macros,
         extra_compile_args=cflags,
         extra_link_args=omp + [f for f in cflags if f.startswith("-fsanitize")],
+        libraries=[] if sys.platform == "win32" else ["m"],   # fmaf (bnbw_kernels.h)
     )
 
 

