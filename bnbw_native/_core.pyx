@@ -149,8 +149,8 @@ cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char
     The order in which x and dy are visited (flipped, sorted and merged dims, rows, channel-last
     or not) decides how the sums round, so it must not depend on where dx lies: out of place
     or in place, any dx gives the same results.  When dx's layout would change that order, the
-    plan writes a temporary laid out like x (dense, in x's order, which never changes it) and
-    plan_execute copies it into dx."""
+    plan writes a temporary laid out like x (dense, in x's order, which keeps it unless x has
+    zero or overlapping strides) and plan_execute copies it into dx."""
     cdef int64_t alt[N_SLOTS * MAX_DIMS]
     cdef int64_t low = 0, size = itemsize(big_dtype)
     cdef int order[MAX_DIMS]
