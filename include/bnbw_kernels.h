@@ -411,18 +411,21 @@ BNBW_AVX2_INLINE void bnbw_store_part16(void *row, int64_t i, int64_t t, __m256 
             _mm256_permutevar8x32_epi32(h, _mm256_set1_epi32((int)(t / 2))));
 }
 
+/* v, as a value the compiler cannot see through or split: it must hold it whole in a
+ * register (bnbw__one; the block sums of bnbw__reduce_wide_rows_blocked). */
+BNBW_AVX2_INLINE __m256 bnbw__opaque(__m256 v)
+{
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 /* 1.0f that the compiler cannot see through.  a*1 is exact, so fma(a, 1, b) rounds a + b
  * and fmsub(a, 1, b) rounds a - b exactly as the add and the subtraction do (NaNs included:
  * the first NaN operand wins either way), but they run on the multiply pipes.  Zen 4 runs
  * adds, shifts and the f16 conversions on the same two pipes, which bound the half kernels:
  * moving some adds across made channel-major f16 apply 1.2x and the blocked f16 reduction
  * 1.15x as fast in L1.  A visible 1.0 would be folded back into the add. */
-BNBW_AVX2_INLINE __m256 bnbw__one(void)
-{
-    __m256 one = _mm256_set1_ps(1.0f);
-    __asm__("" : "+x"(one));
-    return one;
-}
+BNBW_AVX2_INLINE __m256 bnbw__one(void) { return bnbw__opaque(_mm256_set1_ps(1.0f)); }
 
 /* a + b and a - b, on the multiply pipes (bnbw__one). */
 #define BNBW_ADD_ON_FMA(a, b) _mm256_fmadd_ps((a), bnbw__one(), (b))
@@ -653,32 +656,26 @@ BNBW_AVX2_INLINE void bnbw__rows_flush(const void *x, int64_t x_row, const void 
     _mm256_storeu_pd(sum_xg + c + 8, p2); _mm256_storeu_pd(sum_xg + c + 12, p3);
 }
 
-/* v, which the compiler must hold whole in a register: a block sum stored with 32-byte stores
- * and read back as two 16-byte memory operands (what gcc folds the widening into) misses
- * store forwarding and waits for the stores to retire (wide rows 2-3x slower). */
-BNBW_AVX2_INLINE __m256 bnbw__whole(__m256 v)
-{
-    __asm__("" : "+x"(v));
-    return v;
-}
+/* Channels per slice of the channel-last kernels that keep per-channel f32 values on the stack
+ * (block sums here, bf16 constants in lane order below; up to 32 KiB): the engine's widest
+ * call (TILE), so that each walks a row once. */
+#define BNBW_SLICE 2048
 
-/* Channels per slice of the wide-row blocked reduction (its f32 block sums, 16 KiB of stack). */
-#define BNBW_WIDE_SLICE 2048
-
-/* Blocked sums of channels 0..n16 (a multiple of 16) of rows wider than a cache line: rows
+/* Blocked sums of channels 0..n16 (a multiple of 16) of rows wider than BNBW_WIDE_ROW: rows
  * one after another, each block's f32 sums in a buffer.  Visiting a block's 16 rows for a few
  * channels at a time instead reads 32 interleaved streams, which the prefetchers do not follow
- * (rows of 256 B to 2 KiB: 2.5-3.5x slower from memory); the buffer's loads and stores stay in
- * L1 at the width they were stored. */
+ * (rows of 256 B to 2 KiB: 2.5-3.5x slower from memory).  The buffer is read back whole
+ * (bnbw__opaque): as two 16-byte memory operands of the widening, which gcc would fold the
+ * loads into, its 32-byte stores miss store forwarding (2-3x slower). */
 BNBW_AVX2_INLINE void bnbw__reduce_wide_rows_blocked(const void *x, int64_t x_row,
                                                      const void *dy, int64_t dy_row,
                                                      int64_t rows, int64_t n16,
                                                      const float *mean, double *sum_g,
                                                      double *sum_xg, int dt)
 {
-    float bg[BNBW_WIDE_SLICE], bp[BNBW_WIDE_SLICE];
-    for (int64_t c0 = 0; c0 < n16; c0 += BNBW_WIDE_SLICE) {
-        int64_t w = n16 - c0 < BNBW_WIDE_SLICE ? n16 - c0 : BNBW_WIDE_SLICE;
+    float bg[BNBW_SLICE], bp[BNBW_SLICE];
+    for (int64_t c0 = 0; c0 < n16; c0 += BNBW_SLICE) {
+        int64_t w = n16 - c0 < BNBW_SLICE ? n16 - c0 : BNBW_SLICE;
         for (int64_t r = 0; r < rows; r += BNBW_BLOCK_ROWS) {
             int64_t nr = rows - r < BNBW_BLOCK_ROWS ? rows - r : BNBW_BLOCK_ROWS;
             for (int64_t j = r; j < r + nr; ++j)
@@ -700,17 +697,17 @@ BNBW_AVX2_INLINE void bnbw__reduce_wide_rows_blocked(const void *x, int64_t x_ro
                 const int64_t c = c0 + i;
                 bnbw__rows_flush(x, x_row, dy, dy_row, r, nr, c, _mm256_loadu_ps(mean + c),
                                  _mm256_loadu_ps(mean + c + 8),
-                                 bnbw__whole(_mm256_loadu_ps(bg + i)),
-                                 bnbw__whole(_mm256_loadu_ps(bg + i + 8)),
-                                 bnbw__whole(_mm256_loadu_ps(bp + i)),
-                                 bnbw__whole(_mm256_loadu_ps(bp + i + 8)), sum_g, sum_xg, dt);
+                                 bnbw__opaque(_mm256_loadu_ps(bg + i)),
+                                 bnbw__opaque(_mm256_loadu_ps(bg + i + 8)),
+                                 bnbw__opaque(_mm256_loadu_ps(bp + i)),
+                                 bnbw__opaque(_mm256_loadu_ps(bp + i + 8)), sum_g, sum_xg, dt);
             }
         }
     }
 }
 
 /* Blocked sums of channels 0..n16 (a multiple of 16), a block of BNBW_BLOCK_ROWS rows at a
- * time: rows of up to a cache line (BNBW_WIDE_ROW) keep the block sums in registers, 32
+ * time: rows of up to BNBW_WIDE_ROW bytes keep the block sums in registers, 32
  * channels per visit of the block's rows (a whole 64-byte line of halves at once), wider ones
  * go through bnbw__reduce_wide_rows_blocked. */
 #define BNBW_WIDE_ROW 128
@@ -828,7 +825,7 @@ BNBW_AVX2_INLINE void bnbw_reduce_rows_body(const void *x, int64_t x_row, const 
  * so bf16 rows go as even and odd elements (a shift and a mask, no widening or packing
  * shuffles: (32, 56, 56, 64) bf16 apply 1.14-1.22x as fast, training 0.90x the time, 1 thread).
  * Their per-channel constants must then be in that order too: bnbw__lane_order gives src's
- * channels c0..c0+w (w a multiple of 16; at most BNBW_LANED_MAX for bf16) in dt's lane order:
+ * channels c0..c0+w (w a multiple of 16; at most BNBW_SLICE for bf16) in dt's lane order:
  * src itself for f32 and f16, a copy into `copy` for bf16. */
 BNBW_AVX2_INLINE const float *bnbw__lane_order(const float *src, int64_t c0, int64_t w,
                                                float *copy, int dt)
@@ -843,9 +840,6 @@ BNBW_AVX2_INLINE const float *bnbw__lane_order(const float *src, int64_t c0, int
     return copy;
 }
 
-/* Channels per slice of the bf16 channel-last elementwise kernels (their constant copies, 32 KiB
- * of stack): the engine's widest call (TILE), so that it walks each row once. */
-#define BNBW_LANED_MAX 2048
 
 BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const void *dy,
                                            int64_t dy_row, void *dx, int64_t dx_row,
@@ -853,8 +847,8 @@ BNBW_AVX2_INLINE void bnbw_apply_rows_body(const void *x, int64_t x_row, const v
                                            const float *k1, const float *k2, const float *k3,
                                            int dt)
 {
-    float cm[BNBW_LANED_MAX], c1[BNBW_LANED_MAX], c2[BNBW_LANED_MAX], c3[BNBW_LANED_MAX];
-    int64_t n16 = n - n % 16, slice = dt == BNBW_BF16 ? BNBW_LANED_MAX : n16;
+    float cm[BNBW_SLICE], c1[BNBW_SLICE], c2[BNBW_SLICE], c3[BNBW_SLICE];
+    int64_t n16 = n - n % 16, slice = dt == BNBW_BF16 ? BNBW_SLICE : n16;
     for (int64_t c0 = 0; c0 < n16; c0 += slice) {      /* one slice unless bf16 */
         int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
         const float *lm = bnbw__lane_order(mean, c0, w, cm, dt);
@@ -898,8 +892,8 @@ BNBW_AVX2_INLINE void bnbw_scale_rows_body(const void *dy, int64_t dy_row, void 
                                            int64_t dx_row, int64_t rows, int64_t n,
                                            const float *k1, int dt)
 {
-    float c1[BNBW_LANED_MAX];
-    int64_t n16 = n - n % 16, slice = dt == BNBW_BF16 ? BNBW_LANED_MAX : n16;
+    float c1[BNBW_SLICE];
+    int64_t n16 = n - n % 16, slice = dt == BNBW_BF16 ? BNBW_SLICE : n16;
     for (int64_t c0 = 0; c0 < n16; c0 += slice) {      /* as in bnbw_apply_rows_body */
         int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
         const float *l1 = bnbw__lane_order(k1, c0, w, c1, dt);
