@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from bnbw_native import _half, batchnorm_training_backward, half
+from bnbw_native import _config, _half, batchnorm_training_backward, half
 
 try:
     import ml_dtypes
@@ -126,11 +126,11 @@ def main():
                 s = best_seconds(call, args.repeat)
                 gbs = moved / s / 1e9
                 print(f"{label:44s} {s * 1e3:8.2f} {gbs:7.2f} {100 * gbs / copy_gbs:7.0f}")
-            _half._force_portable(True)
+            previous = _config.use_kernels("portable")
             try:
                 s = best_seconds(lambda: func(src, out=out, num_threads=1), args.repeat)
             finally:
-                _half._force_portable(False)
+                _config.use_kernels(previous)
             gbs = moved / s / 1e9
             print(f"{name + ', portable code, 1 thread':44s} {s * 1e3:8.2f} {gbs:7.2f} "
                   f"{100 * gbs / copy_gbs:7.0f}")

@@ -1,15 +1,21 @@
-"""Thread count resolution and build information (SPEC 4).
+"""Thread count resolution, the kernel body, and build information.
 
 The package default starts as None, meaning "what OpenMP would use now", read at every call so
 that ``threadpoolctl.threadpool_limits`` (which sets OpenMP's max threads) is honoured.
+
+Kernel bodies: every kernel exists as a portable body and as bodies for wider instruction
+sets, chosen at run time from what the CPU runs; all give the same bits.  The environment
+variable ``BNBW_KERNELS`` (``portable``, ``avx2`` or ``avx512``), read at import, caps the
+choice: for tests, benchmarks, and machines where 512-bit code lowers the clock.
 """
 import numbers
 import os
 import sys
+import warnings
 
 import numpy as np
 
-from . import _core
+from . import _core, _half
 
 __version__ = "0.1.0"
 
@@ -65,20 +71,54 @@ def resolve_threads(num_threads):
     return min(n, MAX_THREADS)
 
 
+# BNBW_KERNELS values, in order: each caps the body at its own level.
+KERNEL_CAPS = ("portable", "avx2", "avx512")
+
+
+def use_kernels(name):
+    """Cap the kernel body at `name` (one of KERNEL_CAPS, or None for no cap) in every module
+    and return the previous cap.  A body the CPU cannot run falls back to the best it can."""
+    global _kernel_cap
+    if name is not None and name not in KERNEL_CAPS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CAPS)} or None, got {name!r}")
+    level = len(KERNEL_CAPS) - 1 if name is None else KERNEL_CAPS.index(name)
+    for module in (_core, _half):
+        module._set_body_cap(level)
+    previous, _kernel_cap = _kernel_cap, name
+    return previous
+
+
+def kernel_body():
+    """The kernel body in use: "portable", "AVX2" or "AVX-512"."""
+    return _core.build_info()["kernels"]
+
+
+_kernel_cap = None
+_requested = os.environ.get("BNBW_KERNELS")
+if _requested is not None and _requested.strip():
+    if _requested.strip().lower() in KERNEL_CAPS:
+        use_kernels(_requested.strip().lower())
+    else:
+        warnings.warn(f"BNBW_KERNELS={_requested!r} is not one of {', '.join(KERNEL_CAPS)}; "
+                      "ignored (the best body the CPU runs is used)", RuntimeWarning,
+                      stacklevel=2)
+
+
 def show_config(file=None):
-    """Print version, compiler, OpenMP and SIMD paths."""
+    """Print version, compiler, OpenMP, the kernel body in use and the SIMD paths."""
     import sysconfig
 
     info = _core.build_info()
     omp = info["openmp"]
+    cap = "" if _kernel_cap is None else f", capped at {_kernel_cap}"
     lines = [
         f"bnbw_native {__version__}",
-        f"  python:           {sys.version.split()[0]}, numpy {np.__version__}",
-        f"  compiler:         {sysconfig.get_config_var('CC')}",
-        f"  OpenMP:           {'on, version ' + str(omp) if omp else 'off (serial build)'}",
-        f"  threads:          {get_num_threads()} (default "
+        f"python:           {sys.version.split()[0]}, numpy {np.__version__}",
+        f"compiler:         {sysconfig.get_config_var('CC')}",
+        f"OpenMP:           {'on, version ' + str(omp) if omp else 'off (serial build)'}",
+        f"threads:          {get_num_threads()} (default "
         f"{'OpenMP' if _default_threads is None else _default_threads})",
-        f"  kernels:          {info['kernels']}",
-        f"  half conversion:  {info['half_path']}",
+        f"kernels:          {info['kernels']} (this CPU runs up to {info['cpu_kernels']}{cap})",
+        f"half conversion:  {info['half_path']}",
     ]
     print("\n".join(lines), file=file)

@@ -70,7 +70,10 @@ cdef extern from "bnbw_half.h" nogil:
     void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst)
     void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride)
     const char *bnbw_half_simd_path()
-    void bnbw_half_force_portable(int on)
+    int bnbw_body()
+    int bnbw_cpu_body()
+    void bnbw_set_body_cap(int cap)
+    const char *bnbw_body_name(int body)
 
 cdef extern from "bnbw_kernels.h" nogil:
     void bnbw_reduce_row(const void *x, const void *dy, int64_t n, float mean, double *out,
@@ -1165,15 +1168,16 @@ def omp_max_threads():
 def build_info():
     return {
         "openmp": bnbw_openmp_version(),
-        "kernels": "AVX2+F16C" if bnbw_avx2_kernels() else "portable",
+        "kernels": bnbw_body_name(bnbw_body()).decode(),
+        "cpu_kernels": bnbw_body_name(bnbw_cpu_body()).decode(),
         "half_path": bnbw_half_simd_path().decode(),
     }
 
 
-def _force_portable(bint on):
-    """Testing aid: run this module's kernels and conversions on the portable f32 bodies
-    (halves staged through f32 tiles), or, with False, on what the CPU supports again."""
-    bnbw_half_force_portable(on)
+def _set_body_cap(int cap):
+    """Run this module's kernels and conversions on the best body up to `cap` (0 portable,
+    1 AVX2, 2 AVX-512); bnbw_native._config.use_kernels sets every module at once."""
+    bnbw_set_body_cap(cap)
 
 
 cdef int omp_max_threads_nogil() noexcept nogil:

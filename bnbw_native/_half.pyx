@@ -26,7 +26,7 @@ cdef extern from "bnbw_half.h" nogil:
     void bnbw_load_f32(const char *src, int64_t src_stride, int64_t n, float *dst)
     void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t dst_stride)
     const char *bnbw_half_simd_path()
-    void bnbw_half_force_portable(int on)
+    void bnbw_set_body_cap(int cap)
     ctypedef struct bnbw_f16:
         uint16_t bits
     ctypedef struct bnbw_bf16:
@@ -56,9 +56,10 @@ def simd_path():
     return bnbw_half_simd_path().decode("ascii")
 
 
-def _force_portable(bint on):
-    """Testing and benchmarking aid: route every conversion through the portable scalar code."""
-    bnbw_half_force_portable(on)
+def _set_body_cap(int cap):
+    """Route the conversions through the best body up to `cap` (0 portable, 1 AVX2, 2 AVX-512);
+    bnbw_native._config.use_kernels sets every module at once."""
+    bnbw_set_body_cap(cap)
 
 
 cdef int _threads(object num_threads) except -1:

@@ -345,38 +345,60 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int6
     bnbw__store_bf16_portable(src + i, n - i, dst + 2 * i);
 }
 
-/* 0: portable, 1: AVX2 + FMA + F16C; -1: not decided yet.  Relaxed atomics keep the lazy
-   initialisation race-free when OpenMP threads call the row converters first. */
-static int bnbw__half_level_cache = -1;
+/* The kernel bodies of the package, from the most portable up; the engine's kernels
+   (bnbw_kernels.h) and these converters use the same one. */
+enum { BNBW_BODY_PORTABLE = 0, BNBW_BODY_AVX2 = 1, BNBW_BODY_AVX512 = 2 };
 
-static BNBW__UNUSED int bnbw__half_level(void)
+/* The best body this CPU runs and this build has (-1: not decided yet), and the cap set by
+   BNBW_KERNELS or a test.  Relaxed atomics keep the lazy initialisation race-free when OpenMP
+   threads call the row converters first. */
+static int bnbw__cpu_body_cache = -1;
+static int bnbw__body_cap = BNBW_BODY_AVX512;
+
+static BNBW__UNUSED int bnbw_cpu_body(void)
 {
-    int level = __atomic_load_n(&bnbw__half_level_cache, __ATOMIC_RELAXED);
-    if (level < 0) {
+    int body = __atomic_load_n(&bnbw__cpu_body_cache, __ATOMIC_RELAXED);
+    if (body < 0) {
         __builtin_cpu_init();
-        level = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-                && __builtin_cpu_supports("f16c");
-        __atomic_store_n(&bnbw__half_level_cache, level, __ATOMIC_RELAXED);
+        body = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+               && __builtin_cpu_supports("f16c") ? BNBW_BODY_AVX2 : BNBW_BODY_PORTABLE;
+        __atomic_store_n(&bnbw__cpu_body_cache, body, __ATOMIC_RELAXED);
     }
-    return level;
+    return body;
 }
 
-/* Testing and benchmarking aid: non-zero makes this module's row converters take the portable
-   path, zero restores the run-time choice. */
-static BNBW__UNUSED void bnbw_half_force_portable(int on)
+/* The body in use: the best one the CPU runs, at most the cap. */
+static BNBW__UNUSED int bnbw_body(void)
 {
-    __atomic_store_n(&bnbw__half_level_cache, on ? 0 : -1, __ATOMIC_RELAXED);
+    int cap = __atomic_load_n(&bnbw__body_cap, __ATOMIC_RELAXED), body = bnbw_cpu_body();
+    return body < cap ? body : cap;
 }
+
+static BNBW__UNUSED void bnbw_set_body_cap(int cap)
+{
+    __atomic_store_n(&bnbw__body_cap, cap, __ATOMIC_RELAXED);
+}
+
+static BNBW__UNUSED int bnbw__half_level(void) { return bnbw_body() >= BNBW_BODY_AVX2; }
 
 #define BNBW__PICK(simd, portable) (bnbw__half_level() ? (simd) : (portable))
 
 #else
 
-static BNBW__UNUSED void bnbw_half_force_portable(int on) { (void)on; }
+enum { BNBW_BODY_PORTABLE = 0, BNBW_BODY_AVX2 = 1, BNBW_BODY_AVX512 = 2 };
+static BNBW__UNUSED int bnbw_cpu_body(void) { return BNBW_BODY_PORTABLE; }
+static BNBW__UNUSED int bnbw_body(void) { return BNBW_BODY_PORTABLE; }
+static BNBW__UNUSED void bnbw_set_body_cap(int cap) { (void)cap; }
 
 #define BNBW__PICK(simd, portable) (portable)
 
 #endif
+
+/* What show_config() and BNBW_KERNELS call the bodies. */
+static BNBW__UNUSED const char *bnbw_body_name(int body)
+{
+    return body == BNBW_BODY_AVX512 ? "AVX-512" : body == BNBW_BODY_AVX2 ? "AVX2" : "portable";
+}
 
 static BNBW__UNUSED const char *bnbw_half_simd_path(void)
 {

@@ -1022,8 +1022,8 @@ BNBW_AVX2_KERNEL bnbw_scale_row_run_avx2(const void *dy, int64_t dy_step, void *
                                            count, k1, T));
 }
 
-/* 1 when this CPU runs the AVX2 bodies (the same choice as bnbw_half.h's converters, and
- * switched off with them by bnbw_half_force_portable). */
+/* 1 when the AVX2 bodies run: the body in use (bnbw_half.h's bnbw_body, shared with the
+ * converters) is AVX2 or better. */
 static inline int bnbw_avx2_kernels(void) { return bnbw__half_level(); }
 #else
 static inline int bnbw_avx2_kernels(void) { return 0; }

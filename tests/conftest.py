@@ -4,6 +4,7 @@ Test modules import the helpers by name (``from conftest import assert_close, ma
 pytest puts this directory on ``sys.path`` (rootdir conftest, default import mode).
 """
 import zlib
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -19,6 +20,18 @@ BF16 = None if ml_dtypes is None else np.dtype(ml_dtypes.bfloat16)
 requires_bf16 = pytest.mark.skipif(BF16 is None, reason="ml_dtypes is not installed")
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "negative")
+
+
+@contextmanager
+def kernels(cap):
+    """Runs the block on the best kernel body up to `cap` ("portable", "avx2", "avx512"), in
+    every module of the package, then restores the previous cap."""
+    from bnbw_native import _config
+    previous = _config.use_kernels(cap)
+    try:
+        yield
+    finally:
+        _config.use_kernels(previous)
 
 
 @pytest.fixture

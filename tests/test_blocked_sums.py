@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from bnbw_native import _core, backward_reduce
-from conftest import BF16
+from bnbw_native import backward_reduce
+from conftest import BF16, kernels
 
 HALVES = [np.float16] + ([BF16] if BF16 is not None else [])
 LANES, RUNS, BLOCK_ROWS = 16, 16, 16    # bnbw_kernels.h: BNBW_LANES, _BLOCK_RUNS, _BLOCK_ROWS
@@ -78,9 +78,8 @@ def _rows_model(x, dy, mean):
 @pytest.fixture(params=[False, True], ids=["direct", "portable"])
 def body(request):
     """Both kernel bodies: as dispatched, and forced onto the portable f32 tiles."""
-    _core._force_portable(request.param)
-    yield request.param
-    _core._force_portable(False)
+    with kernels("portable" if request.param else None):
+        yield request.param
 
 
 def _terms(rng, shape, dtype):

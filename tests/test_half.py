@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from bnbw_native import _half, half
+from conftest import kernels
 
 try:
     import ml_dtypes
@@ -57,9 +58,8 @@ def assert_bits_equal(got, expected):
 @pytest.fixture(params=["dispatched", "portable"])
 def path(request):
     """Runs a test on the SIMD path this CPU picks, then on the portable scalar code."""
-    _half._force_portable(request.param == "portable")
-    yield request.param
-    _half._force_portable(False)
+    with kernels("portable" if request.param == "portable" else None):
+        yield request.param
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -80,11 +80,8 @@ def test_simd_path_names_the_code_taken():
         assert _half.simd_path() == "f16: F16C, bf16: AVX2"
     else:
         assert _half.simd_path() in ("portable", "f16: F16C, bf16: AVX2")
-    _half._force_portable(True)
-    try:
+    with kernels("portable"):
         assert _half.simd_path() == "portable"
-    finally:
-        _half._force_portable(False)
 
 
 def test_max_threads_is_positive():
@@ -223,11 +220,8 @@ def test_all_float32_patterns(target):
     for start in range(0, 1 << 32, step):
         x = np.arange(start, start + step, dtype=np.uint64).astype(np.uint32).view(np.float32)
         got = bits(convert(x))
-        _half._force_portable(True)
-        try:
+        with kernels("portable"):
             portable = bits(convert(x))
-        finally:
-            _half._force_portable(False)
         np.testing.assert_array_equal(got, portable, err_msg=f"SIMD vs portable, block {start:#x}")
         sample = slice((-start) % every, None, every)  # global indices divisible by `every`
         np.testing.assert_array_equal(got[sample], bits(ref(x[sample])),

@@ -14,8 +14,8 @@ aside).
 import numpy as np
 import pytest
 
-from bnbw_native import _core, backward_apply, backward_reduce, batchnorm_training_backward, dml
-from conftest import BF16, make_layout
+from bnbw_native import _config, _core, backward_apply, backward_reduce, batchnorm_training_backward, dml
+from conftest import BF16, kernels, make_layout
 
 DTYPES = [np.float16, np.float32] + ([BF16] if BF16 is not None else [])
 
@@ -58,11 +58,8 @@ def _inputs(rng, shape, dtype, data_format, special):
 
 def _both_paths(call):
     fast = call()
-    _core._force_portable(True)
-    try:
+    with kernels("portable"):
         portable = call()
-    finally:
-        _core._force_portable(False)
     return fast, portable
 
 
@@ -232,13 +229,11 @@ def test_every_half_pattern_is_rounded_as_numpy_rounds(dtype, data_format, kerne
 
 def test_forcing_the_portable_bodies_is_visible():
     """The comparison above means something only if the switch changes the path taken."""
-    before = _core.build_info()["kernels"]
-    _core._force_portable(True)
-    try:
-        assert _core.build_info()["kernels"] == "portable"
-    finally:
-        _core._force_portable(False)
-    assert _core.build_info()["kernels"] == before
+    before = _config.kernel_body()
+    with kernels("portable"):
+        assert _config.kernel_body() == "portable"
+        assert _core.build_info()["half_path"] == "portable"
+    assert _config.kernel_body() == before
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
