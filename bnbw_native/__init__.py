@@ -11,8 +11,7 @@ One strided engine (Cython + OpenMP) behind thin front-ends, one per public conv
 * ``bnbw_native.reference`` - the float64 NumPy reference every result is checked against
 """
 from ._config import __version__, get_num_threads, set_num_threads, show_config
-from ._graph import batchnorm_training_backward
-from ._pipeline import BackwardResult
+from ._graph import BackwardResult, batchnorm_training_backward
 from ._twophase import backward_apply, backward_reduce
 
 _SUBMODULES = ("autograd", "distributed", "dml", "half", "ngraph", "onednn", "reference")

@@ -1,24 +1,21 @@
 # cython: language_level=3
-"""The DirectML operators at C level: the C API table (SPEC 3.5) and the one validator.
+"""The DirectML operators at C level: the C API table and the descriptor checks.
 
 Design
 ------
 Everything C callers reach runs without the GIL and touches no Python object: descriptor
-checks (`layout_check`, `tensor_check`), operator checks (`operator_check`), planning
-(`op_create`, through the engine's `plan_build`) and execution (`op_execute`).
-bnbw_native.dml calls these same functions through the small Python layer at the bottom
-(`tensor_sizes`, `Operator`), so every DirectML rule and message exists once.  A failed check
-returns a bnbw_status and writes a message naming the member into the caller's buffer; the
-functions of the C table use a per-thread buffer that error_message() reads back.
+checks (`layout_check`, `tensor_check`: what makes a DML_BUFFER_TENSOR_DESC valid), the
+operator's rules (the validation layer's `check_call`, bnbw_native._call, under the DirectML
+convention), planning (`op_create`) and execution (`op_execute`).  bnbw_native.dml calls these
+same functions through the small Python layer at the bottom (`tensor_sizes`, `Operator`), so
+every DirectML rule and message exists once.  A failed check returns a bnbw_status and writes a
+message naming the member into the caller's buffer; the functions of the C table use a
+per-thread buffer that error_message() reads back.
 
 Descriptors hold strides in elements; the engine gets byte strides, 0 on size-1 dims (so a
 huge stride on a size-1 dim can never overflow), and the reduced-dims mask "mean size is 1".
-
-Output self-overlap (SPEC 3.4) is decided exactly: a sufficient test (dims sorted by stride,
-each stride beyond the extent of the smaller ones) accepts every usual layout at once;
-anything else gets a search for a nonzero k with |k_i| < size_i and sum k_i * stride_i = 0
-(two elements at one address), bounded by a work budget, refusing when the budget runs out.
-Buffer overlap at execute time compares the byte ranges [address, address + minimum size).
+Buffers bound at execute time are raw memory regions: two of them overlap when their byte
+ranges [address, address + minimum size) do.
 """
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
@@ -28,15 +25,24 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsCo
                              PyBUF_FULL_RO)
 from cpython.pycapsule cimport PyCapsule_New
 
-from bnbw_native._core cimport (Plan, plan_build, plan_free, plan_execute,
-                                omp_max_threads_nogil, MAX_DIMS, N_SLOTS, SLOT_X, SLOT_DY,
-                                SLOT_DX, SLOT_MEAN, SLOT_VAR, SLOT_SCALE, SLOT_DSCALE,
-                                SLOT_DBIAS, OP_COMPUTE_SUMS, OP_TRAINING, OP_WRITE_DX,
-                                OP_WRITE_PARAMS)
+from bnbw_native._engine cimport (
+    Plan, MAX_DIMS, N_SLOTS, N_BIG, N_ROLES, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
+    S_DBIAS, DT_F32, DT_F16, DT_BF16, OP_REDUCE, OP_TRAINING, OP_DX, OP_PARAMS, bnbw_data_type,
+    BNBW_DATA_TYPE_FLOAT32, BNBW_DATA_TYPE_FLOAT16, BNBW_DATA_TYPE_BFLOAT16, bnbw_tensor_desc,
+    bnbw_operator_type, BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD,
+    BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD, bnbw_batch_normalization_grad_desc,
+    bnbw_bindings, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_DATA_TYPE,
+    BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES, BNBW_ERROR_TOTAL_SIZE,
+    BNBW_ERROR_OVERLAP, BNBW_ERROR_EPSILON, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT,
+    BNBW_ERROR_OPERATOR_TYPE, BNBW_ERROR_OUT_OF_MEMORY, bnbw_operator, bnbw_api_table,
+    BNBW_API_VERSION, BNBW_CAPSULE_NAME)
+from bnbw_native._plan cimport plan_build, plan_free
+from bnbw_native._schedules cimport Schedule, schedule_choose, execute
+from bnbw_native._call cimport (Arg, Rules, Epsilon, Convention, check_call, engine_layout,
+                                resolve_threads, epsilon_of_float)
 
 cdef extern from *:
     """
-    #define BNBW_NATIVE_NO_IMPORT 1
     #if defined(_MSC_VER)
     #define BNBW_TLS __declspec(thread)
     #else
@@ -46,80 +52,10 @@ cdef extern from *:
     static BNBW_TLS char bnbw_tls_message[BNBW_MESSAGE_CAP];
     static char *bnbw_thread_message(void) { return bnbw_tls_message; }
     static char bnbw_version_text[32];
-    #include <float.h>
     """
     enum: BNBW_MESSAGE_CAP
     char *bnbw_thread_message() nogil
     char bnbw_version_text[32]
-    float FLT_MAX
-
-cdef extern from "bnbw_native.h" nogil:
-    ctypedef enum bnbw_data_type:
-        BNBW_DATA_TYPE_UNKNOWN
-        BNBW_DATA_TYPE_FLOAT32
-        BNBW_DATA_TYPE_FLOAT16
-        BNBW_DATA_TYPE_BFLOAT16
-    ctypedef struct bnbw_tensor_desc:
-        bnbw_data_type data_type
-        uint32_t dimension_count
-        const int64_t *sizes
-        const int64_t *strides
-        uint64_t total_tensor_size_in_bytes
-    ctypedef enum bnbw_operator_type:
-        BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD
-        BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD
-    ctypedef struct bnbw_batch_normalization_grad_desc:
-        const bnbw_tensor_desc *input
-        const bnbw_tensor_desc *input_gradient
-        const bnbw_tensor_desc *mean
-        const bnbw_tensor_desc *variance
-        const bnbw_tensor_desc *scale
-        const bnbw_tensor_desc *output_gradient
-        const bnbw_tensor_desc *output_scale_gradient
-        const bnbw_tensor_desc *output_bias_gradient
-        float epsilon
-    ctypedef struct bnbw_bindings:
-        const void *input
-        const void *input_gradient
-        const void *mean
-        const void *variance
-        const void *scale
-        void *output_gradient
-        void *output_scale_gradient
-        void *output_bias_gradient
-    ctypedef enum bnbw_status:
-        BNBW_OK
-        BNBW_ERROR_NULL_POINTER
-        BNBW_ERROR_DATA_TYPE
-        BNBW_ERROR_DIMENSION_COUNT
-        BNBW_ERROR_SIZES
-        BNBW_ERROR_STRIDES
-        BNBW_ERROR_TOTAL_SIZE
-        BNBW_ERROR_OVERLAP
-        BNBW_ERROR_EPSILON
-        BNBW_ERROR_NUM_THREADS
-        BNBW_ERROR_ALIGNMENT
-        BNBW_ERROR_OPERATOR_TYPE
-        BNBW_ERROR_OUT_OF_MEMORY
-    ctypedef struct bnbw_operator:
-        pass
-    ctypedef struct bnbw_api_table:
-        uint32_t version
-        uint32_t size
-        const char *(*library_version)() noexcept nogil
-        bnbw_status (*calc_buffer_tensor_size)(bnbw_data_type, uint32_t, const int64_t *,
-                                               const int64_t *, uint64_t *,
-                                               uint64_t *) noexcept nogil
-        bnbw_status (*create_operator)(bnbw_operator_type,
-                                       const bnbw_batch_normalization_grad_desc *,
-                                       bnbw_operator **) noexcept nogil
-        bnbw_status (*execute)(const bnbw_operator *, const bnbw_bindings *,
-                               int) noexcept nogil
-        void (*destroy_operator)(bnbw_operator *) noexcept nogil
-        const char *(*error_message)() noexcept nogil
-        const char *(*status_name)(bnbw_status) noexcept nogil
-    enum: BNBW_API_VERSION
-    const char *BNBW_CAPSULE_NAME
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,16 +73,19 @@ cdef enum:
     M_OUTPUT_BIAS_GRADIENT = 7
     N_MEMBERS = 8
     FIRST_OUTPUT = 5
-    MAX_THREADS = 256            # as bnbw_native._config.MAX_THREADS
-    OVERLAP_BUDGET = 1000000     # search nodes before an output layout is refused unproven
 
 cdef const char *MEMBER_NAMES[8]
 MEMBER_NAMES[:] = [b"input", b"input_gradient", b"mean", b"variance", b"scale",
                    b"output_gradient", b"output_scale_gradient", b"output_bias_gradient"]
 cdef int MEMBER_SLOT[8]
-MEMBER_SLOT[:] = [SLOT_X, SLOT_DY, SLOT_MEAN, SLOT_VAR, SLOT_SCALE, SLOT_DX, SLOT_DSCALE,
-                  SLOT_DBIAS]
+MEMBER_SLOT[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_DX, S_DSCALE, S_DBIAS]
 MEMBERS = tuple(MEMBER_NAMES[i].decode() for i in range(N_MEMBERS))
+
+# The DirectML convention of the validation layer: descriptors here, arrays in bnbw_native.dml.
+CONVENTION = Convention({role: MEMBERS[i] for i, role in enumerate(
+    ("x", "dy", "mean", "var", "scale", "dx", "dscale", "dbias"))}, family="directml",
+    dtype_rule="same", ranks=(1, MAX_DIMS), data_format=False)
+cdef const Rules *RULES = &(<Convention> CONVENTION).rules
 
 cdef int64_t LIMIT = 0x7FFFFFFFFFFFFFFF     # byte extents must fit int64 (engine offsets)
 
@@ -164,9 +103,10 @@ ctypedef struct Tensor:
 ctypedef struct OperatorImpl:
     int type
     int op_flags
-    double eps
+    Epsilon eps
     bint in_place_ok             # output_gradient may be bound over input_gradient
     Tensor t[N_MEMBERS]
+    Arg a[N_ROLES]               # the members as the validation layer and the engine see them
     Plan plan
 
 
@@ -275,86 +215,16 @@ cdef bnbw_status tensor_check(const bnbw_tensor_desc *desc, const char *m, Tenso
     return BNBW_OK
 
 
-# ---- output self-overlap ----------------------------------------------------------------
-
-cdef inline int64_t floor_div(int64_t a, int64_t b) noexcept nogil:
-    cdef int64_t q = a // b     # cdivision: truncates toward zero
-    if a % b != 0 and a < 0:
-        q -= 1
-    return q
-
-
-cdef int collide(const int64_t *n, const int64_t *s, const int64_t *reach, int i, int m,
-                 int64_t target, bint nonzero, int64_t *budget) noexcept nogil:
-    """Is there k_i..k_{m-1}, |k_j| < n_j, with sum k_j * s_j == target (and k nonzero
-    overall)?  1 yes, 0 no, -1 budget exhausted.  s sorted descending; reach[j] is the
-    largest |sum| dims j.. can make."""
-    cdef int64_t lo, hi, k
-    cdef int r
-    if i == m:
-        return 1 if (target == 0 and nonzero) else 0
-    budget[0] -= 1
-    if budget[0] < 0:
-        return -1
-    lo = -floor_div(reach[i + 1] - target, s[i])      # ceil((target - reach) / s)
-    hi = floor_div(target + reach[i + 1], s[i])
-    if lo < 1 - n[i]:
-        lo = 1 - n[i]
-    if hi > n[i] - 1:
-        hi = n[i] - 1
-    k = lo
-    while k <= hi:
-        r = collide(n, s, reach, i + 1, m, target - k * s[i], nonzero or k != 0, budget)
-        if r != 0:
-            return r
-        k += 1
-    return 0
-
-
-cdef int self_overlap(const Tensor *t, int *zero_dim) noexcept nogil:
-    """0 when no two elements of t share memory, 1 when two do, -1 when undecided."""
-    cdef int64_t n[MAX_DIMS]
-    cdef int64_t s[MAX_DIMS]
-    cdef int64_t reach[MAX_DIMS + 1]
-    cdef int64_t extent = 0, tmp, budget = OVERLAP_BUDGET
-    cdef int m = 0, d, i, j
-    zero_dim[0] = -1
-    for d in range(t.ndim):
-        if t.sizes[d] > 1:
-            if t.strides[d] == 0:
-                zero_dim[0] = d
-                return 1
-            n[m] = t.sizes[d]
-            s[m] = t.strides[d]
-            m += 1
-    for i in range(1, m):                  # insertion sort, descending strides
-        j = i
-        while j > 0 and s[j - 1] < s[j]:
-            tmp = s[j - 1]; s[j - 1] = s[j]; s[j] = tmp
-            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
-            j -= 1
-    # sufficient: each stride beyond everything the smaller strides reach
-    i = m - 1
-    while i >= 0 and s[i] > extent:
-        extent += (n[i] - 1) * s[i]
-        i -= 1
-    if i < 0:
-        return 0
-    reach[m] = 0
-    for i in range(m - 1, -1, -1):
-        reach[i] = reach[i + 1] + (n[i] - 1) * s[i]
-    return collide(n, s, reach, 0, m, 0, False, &budget)
-
-
 # ---- the operator -------------------------------------------------------------------------
 
 cdef bnbw_status operator_check(const bnbw_batch_normalization_grad_desc *desc, Tensor *t,
-                                char *msg, size_t cap) noexcept nogil:
-    """Every DirectML constraint of SPEC 3.4, in a fixed order; fills t[N_MEMBERS]."""
+                                Arg *a, char *msg, size_t cap) noexcept nogil:
+    """Every member's descriptor, then the operator's rules (the validation layer's, under the
+    DirectML convention); fills t[N_MEMBERS] and a[N_ROLES]."""
     cdef const bnbw_tensor_desc *descs[N_MEMBERS]
+    cdef Epsilon eps
     cdef bnbw_status rc
-    cdef int i, d, zero_dim, r
-    cdef float eps
+    cdef int i, d, role
     if desc == NULL:
         snprintf(msg, cap, "desc: the operator descriptor pointer is NULL")
         return BNBW_ERROR_NULL_POINTER
@@ -366,66 +236,25 @@ cdef bnbw_status operator_check(const bnbw_batch_normalization_grad_desc *desc, 
     descs[5] = desc.output_gradient
     descs[6] = desc.output_scale_gradient
     descs[7] = desc.output_bias_gradient
+    for i in range(N_ROLES):
+        a[i].present = False
+        a[i].data = NULL
     for i in range(N_MEMBERS):
         rc = tensor_check(descs[i], MEMBER_NAMES[i], &t[i], msg, cap)
         if rc != BNBW_OK:
             return rc
-    for i in range(1, N_MEMBERS):
-        if t[i].dtype != t[0].dtype:
-            snprintf(msg, cap, "%s: data_type %s differs from input's %s; all eight tensors "
-                     "share one data type", MEMBER_NAMES[i], type_name(t[i].dtype),
-                     type_name(t[0].dtype))
-            return BNBW_ERROR_DATA_TYPE
-    for i in range(1, N_MEMBERS):
-        if t[i].ndim != t[0].ndim:
-            snprintf(msg, cap, "%s: sizes have %d dimensions, input's %d; all eight tensors "
-                     "share one dimension count", MEMBER_NAMES[i], t[i].ndim, t[0].ndim)
-            return BNBW_ERROR_DIMENSION_COUNT
-    for i in range(1, N_MEMBERS):
-        if i != M_INPUT_GRADIENT and i != M_OUTPUT_GRADIENT:
-            continue
-        for d in range(t[0].ndim):
-            if t[i].sizes[d] != t[0].sizes[d]:
-                snprintf(msg, cap, "%s: sizes[%d] is %lld, input's is %lld; input, "
-                         "input_gradient and output_gradient share sizes", MEMBER_NAMES[i],
-                         d, <long long> t[i].sizes[d], <long long> t[0].sizes[d])
-                return BNBW_ERROR_SIZES
-    for i in range(M_VARIANCE, N_MEMBERS):
-        if i == M_OUTPUT_GRADIENT:
-            continue
-        for d in range(t[0].ndim):
-            if t[i].sizes[d] != t[M_MEAN].sizes[d]:
-                snprintf(msg, cap, "%s: sizes[%d] is %lld, mean's is %lld; mean, variance, "
-                         "scale, output_scale_gradient and output_bias_gradient share sizes",
-                         MEMBER_NAMES[i], d, <long long> t[i].sizes[d],
-                         <long long> t[M_MEAN].sizes[d])
-                return BNBW_ERROR_SIZES
-    for d in range(t[0].ndim):
-        if t[M_MEAN].sizes[d] != 1 and t[M_MEAN].sizes[d] != t[0].sizes[d]:
-            snprintf(msg, cap, "mean: sizes[%d] must be 1 (a summed dim) or input's %lld, "
-                     "got %lld", d, <long long> t[0].sizes[d], <long long> t[M_MEAN].sizes[d])
-            return BNBW_ERROR_SIZES
-    eps = desc.epsilon
-    if not (eps > 0 and eps <= FLT_MAX):
-        snprintf(msg, cap, "epsilon must be finite and > 0, got %g", <double> eps)
-        return BNBW_ERROR_EPSILON
-    for i in range(FIRST_OUTPUT, N_MEMBERS):
-        r = self_overlap(&t[i], &zero_dim)
-        if r == 0:
-            continue
-        if zero_dim >= 0:
-            snprintf(msg, cap, "%s: strides[%d] is 0 on a dim of size %lld, so its elements "
-                     "share memory; an output must not overlap itself", MEMBER_NAMES[i],
-                     zero_dim, <long long> t[i].sizes[zero_dim])
-        elif r > 0:
-            snprintf(msg, cap, "%s: the strides make two distinct elements share memory; an "
-                     "output must not overlap itself", MEMBER_NAMES[i])
-        else:
-            snprintf(msg, cap, "%s: cannot prove that the strides keep every element apart "
-                     "(search budget exhausted); use strides where each exceeds the extent of "
-                     "the smaller ones", MEMBER_NAMES[i])
-        return BNBW_ERROR_OVERLAP
-    return BNBW_OK
+        role = MEMBER_SLOT[i]
+        a[role].present = True
+        a[role].dtype = t[i].dtype - 1            # bnbw_data_type -> the engine's DType
+        strncpy(a[role].type_name, type_name(t[i].dtype), 39)
+        a[role].ndim = t[i].ndim
+        a[role].writable = True
+        a[role].aligned = True
+        for d in range(t[i].ndim):
+            a[role].shape[d] = t[i].sizes[d]
+            a[role].strides[d] = t[i].strides[d] * t[i].itemsize
+    epsilon_of_float(desc.epsilon, &eps)
+    return check_call(RULES, a, 0, 0, &eps, -1, msg, cap)
 
 
 cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
@@ -442,9 +271,11 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
                            OperatorImpl **out, char *msg, size_t cap) noexcept nogil:
     cdef OperatorImpl *op
     cdef bnbw_status rc
-    cdef int i, d, slot, dt
+    cdef int ndim
+    cdef int64_t sizes[MAX_DIMS]
     cdef unsigned char reduced[MAX_DIMS]
     cdef int64_t strides[N_SLOTS * MAX_DIMS]
+    cdef unsigned char present[N_BIG]
     if out == NULL:
         snprintf(msg, cap, "op: the pointer receiving the operator is NULL")
         return BNBW_ERROR_NULL_POINTER
@@ -458,25 +289,19 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
     if op == NULL:
         snprintf(msg, cap, "out of memory")
         return BNBW_ERROR_OUT_OF_MEMORY
-    rc = operator_check(desc, op.t, msg, cap)
+    rc = operator_check(desc, op.t, op.a, msg, cap)
     if rc != BNBW_OK:
         free(op)
         return rc
     op.type = type
-    op.eps = <double> desc.epsilon
-    op.op_flags = OP_COMPUTE_SUMS | OP_WRITE_DX | OP_WRITE_PARAMS
+    epsilon_of_float(desc.epsilon, &op.eps)
+    op.op_flags = OP_REDUCE | OP_DX | OP_PARAMS
     if type == BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD:
         op.op_flags = op.op_flags | OP_TRAINING
     op.in_place_ok = same_layout(&op.t[M_INPUT_GRADIENT], &op.t[M_OUTPUT_GRADIENT])
-    for i in range(N_SLOTS * MAX_DIMS):
-        strides[i] = 0
-    for d in range(op.t[0].ndim):
-        reduced[d] = op.t[M_MEAN].sizes[d] == 1
-        for i in range(N_MEMBERS):
-            if op.t[i].sizes[d] > 1:
-                strides[MEMBER_SLOT[i] * MAX_DIMS + d] = op.t[i].strides[d] * op.t[i].itemsize
-    dt = op.t[0].dtype - 1          # bnbw_data_type -> the engine's DType
-    if plan_build(&op.plan, op.t[0].ndim, op.t[0].sizes, reduced, strides, dt, dt) != 0:
+    ndim = engine_layout(RULES, op.a, 0, sizes, reduced, strides, present)
+    if plan_build(&op.plan, ndim, sizes, reduced, strides, present, op.a[S_X].dtype,
+                  op.a[S_X].dtype, op.a[S_X].dtype) != 0:
         free(op)
         snprintf(msg, cap, "out of memory while planning")
         return BNBW_ERROR_OUT_OF_MEMORY
@@ -492,9 +317,11 @@ cdef void op_destroy(OperatorImpl *op) noexcept nogil:
 
 cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,
                             char *msg, size_t cap) noexcept nogil:
-    """ptr: the N_MEMBERS buffer addresses in member order."""
+    """ptr: the N_MEMBERS buffer addresses in member order.  num_threads 0: the package
+    default (OpenMP's unless bnbw_native.set_num_threads set one)."""
     cdef char *slots[N_SLOTS]
-    cdef int i, j, nt
+    cdef Schedule sched
+    cdef int i, j
     cdef uintptr_t a, b
     if op == NULL:
         snprintf(msg, cap, "op: the operator pointer is NULL")
@@ -509,8 +336,7 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
                      MEMBER_NAMES[i], ptr[i], <int> op.t[i].itemsize)
             return BNBW_ERROR_ALIGNMENT
     if num_threads < 0:
-        snprintf(msg, cap, "num_threads must be >= 0 (0 = the OpenMP default), got %d",
-                 num_threads)
+        snprintf(msg, cap, "num_threads must be >= 0 (0 = the default), got %d", num_threads)
         return BNBW_ERROR_NUM_THREADS
     for i in range(FIRST_OUTPUT, N_MEMBERS):
         a = <uintptr_t> ptr[i]
@@ -532,15 +358,13 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
                 snprintf(msg, cap, "%s overlaps the input %s; output buffers must not "
                          "overlap input buffers", MEMBER_NAMES[i], MEMBER_NAMES[j])
             return BNBW_ERROR_OVERLAP
-    nt = num_threads if num_threads > 0 else omp_max_threads_nogil()
-    if nt < 1:
-        nt = 1
-    if nt > MAX_THREADS:
-        nt = MAX_THREADS
+    for i in range(N_SLOTS):
+        slots[i] = NULL
     for i in range(N_MEMBERS):
         slots[MEMBER_SLOT[i]] = <char *> ptr[i]
-    if plan_execute(&op.plan, slots, op.op_flags, op.eps, <double> op.plan.count, NULL,
-                    nt) != 0:
+    schedule_choose(&op.plan, op.op_flags, resolve_threads(num_threads), &sched)
+    if execute(&op.plan, &sched, slots, op.op_flags, <float> op.eps.value,
+               <double> op.plan.count, NULL) != 0:
         snprintf(msg, cap, "out of memory for the reduction buffers")
         return BNBW_ERROR_OUT_OF_MEMORY
     return BNBW_OK

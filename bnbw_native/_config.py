@@ -15,27 +15,18 @@ import warnings
 
 import numpy as np
 
-from . import _core, _half
+from . import _call, _half
 
 __version__ = "0.1.0"
 
-_default_threads = None
-_forked_child = False
-
-
-def _after_fork_in_child():
-    # libgomp's thread pool does not survive fork(): a team of 2+ in the child hangs forever.
-    # Results never depend on the thread count, so a forked child simply runs serial.
-    global _forked_child
-    _forked_child = True
-
-
+# libgomp's thread pool does not survive fork(): a team of 2+ in the child hangs forever.
+# Results never depend on the thread count, so a forked child simply runs serial.
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=_call.after_fork_in_child)
 
 # More threads than this buys nothing on any machine this runs on and risks exhausting the
 # process: requests above it are clipped (results never depend on the thread count anyway).
-MAX_THREADS = 256
+MAX_THREADS = _call.MAX_THREADS_PY
 
 
 def check_num_threads(value, name="num_threads"):
@@ -51,24 +42,15 @@ def check_num_threads(value, name="num_threads"):
 
 
 def set_num_threads(n):
-    """Set the package default thread count; None (the initial state) follows OpenMP."""
-    global _default_threads
-    _default_threads = check_num_threads(n, "n")
+    """Set the package default thread count; None (the initial state) follows OpenMP.  The
+    default serves every call without num_threads=, C API calls with 0 threads included."""
+    n = check_num_threads(n, "n")
+    _call.set_default_threads(0 if n is None else min(n, MAX_THREADS))
 
 
 def get_num_threads():
     """The thread count a call without ``num_threads=`` would use now."""
-    if _default_threads is not None:
-        return _default_threads
-    return max(1, _core.omp_max_threads())
-
-
-def resolve_threads(num_threads):
-    """The thread count for one call (already validated by check_num_threads)."""
-    if _forked_child:
-        return 1
-    n = get_num_threads() if num_threads is None else num_threads
-    return min(n, MAX_THREADS)
+    return _call.threads_for(0)
 
 
 # BNBW_KERNELS values, in order: each caps the body at its own level.
@@ -82,7 +64,7 @@ def use_kernels(name):
     if name is not None and name not in KERNEL_CAPS:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CAPS)} or None, got {name!r}")
     level = len(KERNEL_CAPS) - 1 if name is None else KERNEL_CAPS.index(name)
-    for module in (_core, _half):
+    for module in (_call, _half):
         module._set_body_cap(level)
     previous, _kernel_cap = _kernel_cap, name
     return previous
@@ -90,7 +72,7 @@ def use_kernels(name):
 
 def kernel_body():
     """The kernel body in use: "portable", "AVX2" or "AVX-512"."""
-    return _core.build_info()["kernels"]
+    return _call.build_info()["kernels"]
 
 
 _kernel_cap = None
@@ -108,7 +90,7 @@ def show_config(file=None):
     """Print version, compiler, OpenMP, the kernel body in use and the SIMD paths."""
     import sysconfig
 
-    info = _core.build_info()
+    info = _call.build_info()
     omp = info["openmp"]
     cap = "" if _kernel_cap is None else f", capped at {_kernel_cap}"
     lines = [
@@ -117,7 +99,7 @@ def show_config(file=None):
         f"compiler:         {sysconfig.get_config_var('CC')}",
         f"OpenMP:           {'on, version ' + str(omp) if omp else 'off (serial build)'}",
         f"threads:          {get_num_threads()} (default "
-        f"{'OpenMP' if _default_threads is None else _default_threads})",
+        f"{_call.default_threads() or 'OpenMP'})",
         f"kernels:          {info['kernels']} (this CPU runs up to {info['cpu_kernels']}{cap})",
         f"half conversion:  {info['half_path']}",
     ]

@@ -1,13 +1,25 @@
-"""oneDNN Graph ``BatchNormTrainingBackward`` (SPEC 3.1; seeds 000, 001)."""
-from ._pipeline import BackwardResult, Names, array_backward, graph_dtypes
-from ._validate import check_choice, check_int_choice
+"""oneDNN Graph ``BatchNormTrainingBackward``."""
+from typing import NamedTuple, Optional
 
-NAMES = Names(x="src", dy="diff_dst", mean="mean", var="variance", scale="gamma",
-              dx="diff_src", dscale="diff_gamma", dbias="diff_beta")
+import numpy as np
+
+from ._call import FROZEN_DX, TRAINING, Convention, backward, check_choice, check_int_choice
+
+GRAPH = Convention(dict(x="src", dy="diff_dst", mean="mean", var="variance", scale="gamma",
+                        dx="diff_src", dscale="diff_gamma", dbias="diff_beta",
+                        relu_dst="relu_dst", diff_residual="diff_residual"))
+
+
+class BackwardResult(NamedTuple):
+    """diff_src (like src), diff_gamma and diff_beta (length C; None when not computed)."""
+    diff_src: np.ndarray
+    diff_gamma: Optional[np.ndarray]
+    diff_beta: Optional[np.ndarray]
 
 
 def batchnorm_training_backward(src, diff_dst, mean, variance, gamma=None, *, epsilon,
-                                data_format="NXC", num_outputs=3, out=None, num_threads=None):
+                                data_format="NXC", num_outputs=3, out=None, num_threads=None,
+                                relu_dst=None, diff_residual=None):
     """Gradients of a training-mode batch normalization, as oneDNN Graph computes them.
 
     num_outputs=3: diff_src, diff_gamma, diff_beta of the training forward (gamma = 1 when
@@ -19,13 +31,17 @@ def batchnorm_training_backward(src, diff_dst, mean, variance, gamma=None, *, ep
     mean, variance, gamma: 1-D of length C, same dtype T2 (float32, or bfloat16 when T1 is
     bfloat16).  data_format "NXC" (channels last, the default) or "NCX" (channel axis 1).
     out: preallocated outputs, one per returned output; diff_src may be diff_dst itself.
+
+    A ReLU after the batch norm (y = max(bn(x), 0), or max(bn(x) + residual, 0)) folds into
+    the same passes: relu_dst is the forward's output y (src's shape, its dtype or bool with
+    True = active); the gradient used is diff_dst where y > 0, 0 elsewhere (selected, never
+    multiplied).  diff_residual: an optional output (src's shape and dtype; it may be diff_dst
+    itself) that receives that gradient, the residual's.
     Returns a BackwardResult(diff_src, diff_gamma, diff_beta).
     """
     check_choice(data_format, "data_format", ("NXC", "NCX"))
     num_outputs = check_int_choice(num_outputs, "num_outputs", (1, 3))
-    formula = "training" if num_outputs == 3 else "frozen_dx"
-    dx, dgamma, dbeta = array_backward(
-        NAMES, src, diff_dst, mean, variance, gamma, epsilon=epsilon,
-        data_format=data_format, formula=formula, out=out, num_threads=num_threads,
-        dtype_rule=graph_dtypes)
-    return BackwardResult(dx, dgamma, dbeta)
+    formula = TRAINING if num_outputs == 3 else FROZEN_DX
+    return BackwardResult(*backward(GRAPH, formula, src, diff_dst, mean, variance, gamma,
+                                    epsilon, data_format, out, num_threads, relu_dst=relu_dst,
+                                    diff_residual=diff_residual))

@@ -34,7 +34,7 @@ cdef extern from "bnbw_half.h" nogil:
     bnbw_f16 bnbw_f64_to_f16(double d)
     bnbw_bf16 bnbw_f64_to_bf16(double d)
 
-from bnbw_native._core cimport omp_max_threads_nogil
+from bnbw_native._engine cimport bnbw_omp_max_threads
 
 ctypedef void (*load_fn)(const char *, int64_t, int64_t, float *) noexcept nogil
 ctypedef void (*store_fn)(const float *, int64_t, char *, int64_t) noexcept nogil
@@ -48,7 +48,7 @@ PARALLEL_MIN = _PARALLEL_MIN
 
 def _max_threads():
     """omp_get_max_threads() of the calling thread, or 1 in a build without OpenMP."""
-    return omp_max_threads_nogil()
+    return bnbw_omp_max_threads()
 
 
 def simd_path():
@@ -64,7 +64,7 @@ def _set_body_cap(int cap):
 
 cdef int _threads(object num_threads) except -1:
     if num_threads is None:
-        return omp_max_threads_nogil()
+        return bnbw_omp_max_threads()
     if isinstance(num_threads, bool):
         raise TypeError("num_threads: expected an int or None, got bool")
     try:

@@ -1,4 +1,4 @@
-"""Two phases for data-parallel training (SPEC 7).
+"""Two phases, for data-parallel training.
 
 Each rank reduces its local batch to per-channel sums around the GLOBAL mean; any engine sums
 `partial` and `count` over ranks; each rank then applies the global sums to its own rows.
@@ -6,36 +6,40 @@ Format of `partial`: a C-contiguous float64 array of shape (2, C), row 0 = Sum d
 Sum (x - mean) * dy.  Single-process training equals reduce -> apply bit for bit, because both
 run the same block partition and the same coefficient code.
 """
-from ._pipeline import BackwardResult, Names, array_backward, graph_dtypes
-from ._validate import check_choice
+from ._call import APPLY, REDUCE, Convention, backward, check_choice
+from ._graph import BackwardResult
 
-NAMES = Names(x="x", dy="dy", mean="mean", var="variance", scale="gamma", dx="diff_src",
-              dscale="diff_gamma", dbias="diff_beta")
+TWO_PHASE = Convention(dict(x="x", dy="dy", mean="mean", var="variance", scale="gamma",
+                            dx="diff_src", dscale="diff_gamma", dbias="diff_beta",
+                            relu_dst="relu_dst", diff_residual="diff_residual",
+                            partial="partial"))
 
 
-def backward_reduce(x, dy, mean, *, data_format="NXC", num_threads=None, exact_sums=False):
+def backward_reduce(x, dy, mean, *, data_format="NXC", num_threads=None, exact_sums=False,
+                    relu_dst=None):
     """Local per-channel sums: returns (partial, count), partial float64 (2, C), count int.
 
     f16 and bf16 inputs are summed as every backward call sums them: in short float32 blocks
-    added into float64, within ~2^-20 of the sum of |terms| (README, "Accuracy").
-    exact_sums=True adds every term in float64 instead (slower; what a caller that derives
-    statistics by cancelling algebra needs, e.g. Sum x*x - n*mean^2)."""
+    added into float64, within ~2^-20 of the sum of |terms|.  exact_sums=True adds every term
+    in float64 instead (slower; what a caller that derives statistics by cancelling algebra
+    needs, e.g. Sum x*x - n*mean^2).  relu_dst: the forward's ReLU output (or bool mask), as in
+    batchnorm_training_backward; the sums are then those of the masked gradient."""
     check_choice(data_format, "data_format", ("NXC", "NCX"))
     if not isinstance(exact_sums, bool):
         raise TypeError(f"exact_sums must be True or False, got {exact_sums!r}")
-    return array_backward(NAMES, x, dy, mean, None, None, epsilon=None,
-                          data_format=data_format, formula="reduce", num_threads=num_threads,
-                          dtype_rule=graph_dtypes, exact_sums=exact_sums)
+    return backward(TWO_PHASE, REDUCE, x, dy, mean, None, None, None, data_format, None,
+                    num_threads, relu_dst=relu_dst, exact_sums=exact_sums)
 
 
 def backward_apply(x, dy, mean, variance, gamma, partial, count, *, epsilon, data_format="NXC",
-                   out=None, num_threads=None):
+                   out=None, num_threads=None, relu_dst=None, diff_residual=None):
     """diff_src for the local rows and diff_gamma, diff_beta from the global sums.
 
     partial: the (2, C) float64 sums over all ranks; count: the global element count per
-    channel (>= the local one).  gamma None means 1."""
+    channel (>= the local one).  gamma None means 1.  relu_dst, diff_residual: as in
+    batchnorm_training_backward (pass the same relu_dst to backward_reduce)."""
     check_choice(data_format, "data_format", ("NXC", "NCX"))
-    return BackwardResult(*array_backward(
-        NAMES, x, dy, mean, variance, gamma, epsilon=epsilon, data_format=data_format,
-        formula="apply", out=out, num_threads=num_threads, dtype_rule=graph_dtypes,
-        partial=partial, count=count))
+    return BackwardResult(*backward(TWO_PHASE, APPLY, x, dy, mean, variance, gamma, epsilon,
+                                    data_format, out, num_threads, relu_dst=relu_dst,
+                                    diff_residual=diff_residual, partial=partial,
+                                    count=count))

@@ -18,17 +18,17 @@ DirectML's InputGradient is dy and OutputGradient is dx.  Sums run over the dims
 mean/variance/scale sizes are 1.  ``BatchNormalizationGrad`` keeps the statistics frozen (the
 seed's formulas); ``BatchNormalizationTrainingGrad`` gives the full training gradient.
 
-The descriptor and operator rules live once, in nogil code of ``bnbw_native._capi`` that C
-callers reach through ``include/bnbw_native.h``; this module checks Python types, calls it and
-turns its status codes into ``TypeError`` (data types) or ``ValueError`` (everything else).
+The descriptor rules live once, in nogil code of ``bnbw_native._capi`` that C callers reach
+through ``include/bnbw_native.h``, and the operator's rules in the validation layer
+(``bnbw_native._call``) that every front-end goes through; this module checks Python types,
+calls them and turns their status codes into ``TypeError`` (data types) or ``ValueError``
+(everything else).
 """
 import numbers
 
 import numpy as np
 
-from . import _capi, _config, _core
-from ._pipeline import FORMULAS
-from ._validate import check_epsilon, check_rank, check_same_shape, dtype_name, float_input
+from . import _call, _capi
 
 __all__ = [
     "TensorDesc",
@@ -44,7 +44,7 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _TYPE_ERRORS = {_capi.STATUS["ERROR_DATA_TYPE"]}
 
 
-def _call(function, *args):
+def _status(function, *args):
     """Run a _capi function; its status codes become the exceptions of SPEC 6."""
     try:
         return function(*args)
@@ -105,7 +105,7 @@ class TensorDesc:
         total = total_tensor_size_in_bytes
         if total is not None:
             total = _int(total, "total_tensor_size_in_bytes")
-        minimum, total = _call(_capi.tensor_sizes,
+        minimum, total = _status(_capi.tensor_sizes,
                                (_capi.DATA_TYPES[data_type], sizes, strides, total))
         if strides is None:
             packed, step = [], 1
@@ -217,8 +217,8 @@ class _Operator:
             if not isinstance(desc, TensorDesc):
                 raise TypeError(f"{name} must be a bnbw_native.dml.TensorDesc, got "
                                 f"{type(desc).__name__}")
-        eps = check_epsilon(epsilon)
-        self._op = _call(_capi.Operator, self._type, [d._spec() for d in descs], eps)
+        eps = _call.check_epsilon(epsilon)
+        self._op = _status(_capi.Operator, self._type, [d._spec() for d in descs], eps)
         self._descs = dict(zip(MEMBERS, descs))
         self._epsilon = eps
 
@@ -233,8 +233,7 @@ class _Operator:
         input_gradient with identical descriptors (in place).  Returns None."""
         buffers = (input, input_gradient, mean, variance, scale, output_gradient,
                    output_scale_gradient, output_bias_gradient)
-        nthreads = _config.resolve_threads(_config.check_num_threads(num_threads))
-        _call(self._op.execute, buffers, nthreads)
+        _status(self._op.execute, buffers, _call.requested_threads(num_threads))
 
     @property
     def epsilon(self):
@@ -298,7 +297,7 @@ def batch_normalization_grad(input, input_gradient, mean, variance, scale, epsil
     input's size elsewhere.  Every array float32, float16 or bfloat16 (ml_dtypes), all the same.
     Returns (output_gradient, output_scale_gradient, output_bias_gradient): output_gradient laid
     out like input, the others shaped like mean."""
-    return _array_grad("frozen", input, input_gradient, mean, variance, scale, epsilon,
+    return _array_grad(_call.FROZEN, input, input_gradient, mean, variance, scale, epsilon,
                        num_threads)
 
 
@@ -306,47 +305,10 @@ def batch_normalization_training_grad(input, input_gradient, mean, variance, sca
                                       num_threads=None):
     """BatchNormalizationTrainingGrad on NumPy arrays: the training gradient.  Arguments and
     results as batch_normalization_grad."""
-    return _array_grad("training", input, input_gradient, mean, variance, scale, epsilon,
+    return _array_grad(_call.TRAINING, input, input_gradient, mean, variance, scale, epsilon,
                        num_threads)
 
 
 def _array_grad(formula, input, input_gradient, mean, variance, scale, epsilon, num_threads):
-    x = float_input(input, "input")
-    check_rank(x, "input", 1, 8)
-    data_type = dtype_name(x)
-    arrays = [x]
-    for name, obj in (("input_gradient", input_gradient), ("mean", mean),
-                      ("variance", variance), ("scale", scale)):
-        arr = float_input(obj, name)
-        if dtype_name(arr) != data_type:
-            raise TypeError(f"{name} must have input's data type ({data_type}), got "
-                            f"{dtype_name(arr)}; all tensors share one data type")
-        arrays.append(arr)
-    x, dy, mu, var, gamma = arrays
-    check_same_shape(dy, "input_gradient", x.shape, "input")
-    if mu.ndim != x.ndim:
-        raise ValueError(f"mean must have input's {x.ndim} dimensions (size 1 on the summed "
-                         f"dims, the input's size elsewhere), got shape {mu.shape}")
-    for d, (size, full) in enumerate(zip(mu.shape, x.shape)):
-        if size != 1 and size != full:
-            raise ValueError(f"mean: dim {d} must be 1 (a summed dim) or input's {full}, "
-                             f"got shape {mu.shape}")
-    check_same_shape(var, "variance", mu.shape, "mean")
-    check_same_shape(gamma, "scale", mu.shape, "mean")
-    eps = check_epsilon(epsilon)
-    nthreads = _config.resolve_threads(_config.check_num_threads(num_threads))
-
-    dx = np.empty_like(x)                     # keeps input's memory order (NHWC stays NHWC)
-    dscale = np.empty(mu.shape, x.dtype)
-    dbias = np.empty(mu.shape, x.dtype)
-    reduced = [size == 1 for size in mu.shape]
-    operands = [x, dy, dx, mu, var, gamma, dscale, dbias]     # the engine's slot order
-    code = _core.DTYPE_CODES[data_type]
-    engine = _core.Engine(x.shape, reduced, [a.strides for a in operands], code, code)
-    if engine.count == 0:
-        # an empty batch: empty output_gradient, zero parameter gradients (SPEC 1)
-        dscale[...] = 0
-        dbias[...] = 0
-        return dx, dscale, dbias
-    engine.execute(operands, FORMULAS[formula], eps, float(engine.count), None, nthreads)
-    return dx, dscale, dbias
+    return _call.backward(_capi.CONVENTION, formula, input, input_gradient, mean, variance,
+                          scale, epsilon, None, None, num_threads)

@@ -16,7 +16,7 @@ Why it is shaped this way:
 """
 import numpy as np
 
-from . import _config, _half
+from . import _call, _half
 
 try:
     import ml_dtypes
@@ -87,7 +87,7 @@ def _flat(arr):
 
 
 def _threads(num_threads):
-    return _config.resolve_threads(_config.check_num_threads(num_threads))
+    return _call.threads_for(_call.requested_threads(num_threads))
 
 
 def _narrow(func, kind, a, out, num_threads, out_dtypes):

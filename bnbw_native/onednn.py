@@ -1,9 +1,9 @@
-"""Intel spec ``BatchNormTrainingBackprop-1`` (SPEC 3.2; seed 002): the training gradient."""
-from ._pipeline import Names, array_backward, graph_dtypes
-from ._validate import check_choice
+"""Intel spec ``BatchNormTrainingBackprop-1``: the training gradient."""
+from ._call import TRAINING, Convention, backward, check_choice
 
-NAMES = Names(x="input_forward", dy="output_delta", mean="mean", var="variance", scale="gamma",
-              dx="input_delta", dscale="gamma_delta", dbias="beta_delta")
+INTEL = Convention(dict(x="input_forward", dy="output_delta", mean="mean", var="variance",
+                        scale="gamma", dx="input_delta", dscale="gamma_delta",
+                        dbias="beta_delta"))
 
 
 def batch_norm_training_backprop(input_forward, output_delta, mean, variance, gamma=None, *,
@@ -16,6 +16,5 @@ def batch_norm_training_backprop(input_forward, output_delta, mean, variance, ga
     Returns (input_delta, gamma_delta, beta_delta).
     """
     check_choice(data_format, "data_format", ("NXC", "NCX"))
-    return array_backward(NAMES, input_forward, output_delta, mean, variance, gamma,
-                          epsilon=epsilon, data_format=data_format, formula="training",
-                          out=out, num_threads=num_threads, dtype_rule=graph_dtypes)
+    return backward(INTEL, TRAINING, input_forward, output_delta, mean, variance, gamma,
+                    epsilon, data_format, out, num_threads)

@@ -4,7 +4,7 @@ The property, scale and concurrency modules check results of any size, layout an
 the float64 reference (`bnbw_native.reference`).  A norm-wise tolerance (conftest.Tolerance) is
 meant for the well-conditioned data of the hand-written tests; random shapes with M from 1 to
 10^5, statistics that are not those of x and 16-bit storage need a bound that follows the
-arithmetic instead.  The engine (see _core.pyx, "Accuracy") forms x - mean in f32, sums in f64,
+arithmetic instead.  The engine (bnbw_native._schedules and include/bnbw_kernels.h) forms x - mean in f32, sums in f64,
 computes the per-channel constants k1, k2, k3 in f64 and rounds them to f32, then evaluates
 dx = k1*dy + k2*(x - mean) + k3 in f32 (as two fused multiply-adds).  Every one of those f32 steps errs by at most 2^-24
 relative to the magnitude of what it combines, so with

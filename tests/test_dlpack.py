@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import bnbw_native as bn
-from bnbw_native import _validate
+from bnbw_native import _call
 
 torch = pytest.importorskip("torch")
 
@@ -74,7 +74,7 @@ def same_bits(a, b):
 ])
 def test_tensor_inputs_are_viewed_not_copied(make):
     t = make(torch.randn(6, 5, 4, 7))
-    arr = _validate.as_array(t, "x")
+    arr = _call.as_array(t, "x")
     assert address(arr) == address(t)
     assert arr.strides == tuple(s * 4 for s in t.stride())
     assert np.array_equal(arr, t.numpy())

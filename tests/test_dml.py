@@ -794,12 +794,13 @@ def test_convenience_empty_batch():
 
 @pytest.mark.parametrize("args, error, match", [
     (dict(input=np.zeros((2, 3))), TypeError, "input must be a float32"),
-    (dict(input_gradient=np.zeros((2, 3), np.float16)), TypeError, "input_gradient must have"),
+    (dict(input_gradient=np.zeros((2, 3), np.float16)), TypeError,
+     "input_gradient: data_type float16 differs"),
     (dict(scale=np.zeros((1, 3), np.uint16)), TypeError, "scale"),
     (dict(mean=[[0.0, 0.0, 0.0]]), TypeError, "mean"),
     (dict(input_gradient=np.zeros((2, 4), np.float32)), ValueError, "input_gradient"),
-    (dict(mean=np.zeros(3, np.float32)), ValueError, "mean must have input's 2 dimensions"),
-    (dict(mean=np.zeros((2, 2), np.float32)), ValueError, "mean: dim 1"),
+    (dict(mean=np.zeros(3, np.float32)), ValueError, "mean: sizes have 1 dimensions, input's 2"),
+    (dict(mean=np.zeros((2, 2), np.float32)), ValueError, "mean: sizes.1. must be 1"),
     (dict(variance=np.zeros((2, 3), np.float32)), ValueError, "variance"),
     (dict(input=np.zeros((), np.float32), input_gradient=np.zeros((), np.float32)),
      ValueError, "input must have 1 to 8"),

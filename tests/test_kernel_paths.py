@@ -14,7 +14,7 @@ aside).
 import numpy as np
 import pytest
 
-from bnbw_native import _config, _core, backward_apply, backward_reduce, batchnorm_training_backward, dml
+from bnbw_native import _call, _config, backward_apply, backward_reduce, batchnorm_training_backward, dml
 from conftest import BF16, kernels, make_layout
 
 DTYPES = [np.float16, np.float32] + ([BF16] if BF16 is not None else [])
@@ -232,7 +232,7 @@ def test_forcing_the_portable_bodies_is_visible():
     before = _config.kernel_body()
     with kernels("portable"):
         assert _config.kernel_body() == "portable"
-        assert _core.build_info()["half_path"] == "portable"
+        assert _call.build_info()["half_path"] == "portable"
     assert _config.kernel_body() == before
 
 

@@ -1,0 +1,65 @@
+from libc.stdint cimport int64_t
+
+from bnbw_native._engine cimport N_ROLES, bnbw_status
+
+cdef enum:
+    ARG_DIMS = 64        # an argument's dims as the caller gave them (NumPy's limit)
+    NAME_CAP = 48
+    MESSAGE_CAP = 512
+    NAME_EPSILON = N_ROLES           # names beyond the roles: options messages mention
+    NAME_DATA_FORMAT = N_ROLES + 1   # empty when the convention has no data_format
+    N_NAMES = N_ROLES + 2
+
+cdef enum Family:
+    FAMILY_ARRAYS = 0    # oneDNN Graph, Intel spec, nGraph, two-phase: statistics 1-D of length C
+    FAMILY_DIRECTML = 1  # statistics with the input's rank, size 1 on the summed dims
+
+cdef enum DtypeRule:
+    RULE_GRAPH = 0       # T1 in {f32, bf16, f16}, T2 in {f32, bf16}, T2 = bf16 only with T1 = bf16
+    RULE_SAME = 1        # one element type for every tensor
+
+# What a call does, by the name a front-end gives it.
+cdef enum Formula:
+    F_TRAINING = 0       # dx, dscale, dbias of the training forward
+    F_FROZEN_DX = 1      # oneDNN Graph's diff_src-only result: scale validated, then ignored
+    F_FROZEN = 2         # DirectML's BatchNormalizationGrad: frozen dx, dscale, dbias
+    F_REDUCE = 3         # the two-phase sums
+    F_APPLY = 4          # the two-phase apply with given sums
+
+ctypedef struct Arg:
+    # One tensor argument as the layer checks it: what the caller gave, nothing derived.
+    char *data               # element 0 (NULL: absent, or a descriptor not yet bound)
+    bint present
+    int dtype                # DType
+    int ndim
+    int64_t shape[ARG_DIMS]
+    int64_t strides[ARG_DIMS]    # bytes
+    bint writable
+    bint aligned
+    char type_name[40]       # what messages call its dtype
+
+ctypedef struct Rules:
+    # A public convention: what it calls each argument and which rules it follows.
+    char names[N_NAMES][NAME_CAP]
+    char labels[N_ROLES][NAME_CAP + 16]   # how messages name an output ("out[0] (diff_src)")
+    bint scale_required      # nGraph: gamma must be given (elsewhere None means 1)
+    int family
+    int dtype_rule
+    int min_rank
+    int max_rank
+
+ctypedef struct Epsilon:
+    double value
+    char text[48]            # the caller's value as Python prints it
+
+cdef int formula_op(int formula) noexcept nogil
+cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
+                            int64_t count, char *msg, size_t cap) noexcept nogil
+cdef int engine_layout(const Rules *r, const Arg *a, int axis, int64_t *sizes,
+                       unsigned char *reduced, int64_t *strides,
+                       unsigned char *present) noexcept nogil
+cdef int resolve_threads(int requested) noexcept nogil
+cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil
+
+cdef class Convention:
+    cdef Rules rules

@@ -1,0 +1,343 @@
+# cython: language_level=3
+"""Plans: how a call's tensors are visited, from their sizes and strides alone.
+
+A plan canonicalises the index space: size-1 dims are dropped, the reduced dims of x that are
+negative in x and dy alike are flipped, sorted outermost-first by x's stride and merged where
+every big tensor allows.  "Channel-last" when the channels are the unit-stride inner dim of
+every big tensor (NXC); otherwise "channel-major" (NCX and every general strided case) with the
+innermost reduced dim as the row.  Each channel's reduction is then cut into fixed blocks (of
+BLOCK elements, or of rows of channels) that never depend on the thread count.
+
+The visiting order of x and dy decides how the sums round, so it depends on x and dy only: an
+output (dx, the residual gradient) or a mask whose layout would change it goes through a dense
+temporary laid out like x instead (built here, filled and emptied by the schedules' execute).
+Everything here runs without the GIL and touches no Python object, so the C API plans too.
+"""
+from libc.stdint cimport int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+
+from bnbw_native._engine cimport (Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, DT_BOOL,
+                                  itemsize)
+
+cdef enum:
+    BLOCK = 32768         # elements per reduction block
+    MIN_BLOCK_ROWS = 16   # channel-last: lower bound on rows per block (bounds partial sums)
+    MAX_LAST_BLOCKS = 32  # channel-last: upper bound on blocks (partial sums <= 512 B/channel)
+    PARTIAL_BYTES = 1 << 16   # channel-last: all blocks' sums together stay cached
+
+BLOCK_ELEMENTS = BLOCK
+
+
+cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char *reduced,
+                    const int64_t *strides, const unsigned char *present, int big_dtype,
+                    int mask_dtype, int stat_dtype) noexcept nogil:
+    """Fill `p` (plan_free releases it).  strides: N_SLOTS rows of MAX_DIMS byte strides (row t
+    = slot t); present: which big slots the call has (x and dy always).  Returns 0, or -1 when
+    out of memory.  The inputs are trusted: the validation layer checked them."""
+    cdef int64_t s[N_SLOTS * MAX_DIMS]
+    cdef Plan base
+    cdef Plan probe
+    cdef int t, d, rc
+    cdef bint temp[N_BIG]
+    cdef bint any_temp = False
+    memcpy(s, strides, N_SLOTS * MAX_DIMS * sizeof(int64_t))
+    for t in range(2, N_BIG):
+        temp[t] = False
+        if not present[t]:
+            _like_x(s, ndim, sizes, t, big_dtype, mask_dtype, False, NULL, NULL)
+    rc = _layout(p, ndim, sizes, reduced, s, big_dtype, mask_dtype, stat_dtype)
+    _clear_temps(p, ndim, sizes, present)
+    if rc != 0 or p.empty:
+        return rc
+    for t in range(2, N_BIG):
+        if present[t] and not _follows(s, ndim, sizes, t, big_dtype, mask_dtype):
+            temp[t] = True
+            any_temp = True
+    if not any_temp:
+        return 0       # every operand adds nothing to what x and dy decide (in place too)
+
+    # Which of those really change the order: compare with the plan of x and dy alone.
+    memcpy(s, strides, N_SLOTS * MAX_DIMS * sizeof(int64_t))
+    for t in range(2, N_BIG):
+        _like_x(s, ndim, sizes, t, big_dtype, mask_dtype, False, NULL, NULL)
+    rc = _layout(&base, ndim, sizes, reduced, s, big_dtype, mask_dtype, stat_dtype)
+    if rc != 0:
+        plan_free(p)
+        return rc
+    for t in range(2, N_BIG):
+        if temp[t]:
+            memcpy(&s[t * MAX_DIMS], &strides[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
+            rc = _layout(&probe, ndim, sizes, reduced, s, big_dtype, mask_dtype, stat_dtype)
+            if rc != 0:
+                plan_free(&base)
+                plan_free(p)
+                return rc
+            temp[t] = not _same_order(&probe, &base)
+            plan_free(&probe)
+            if not temp[t]:
+                continue      # keeps its own strides in the final plan
+            _like_x(s, ndim, sizes, t, big_dtype, mask_dtype, True, NULL, NULL)
+    plan_free(&base)
+
+    # The final plan: every operand either where it lies or in its temporary.
+    plan_free(p)
+    for t in range(2, N_BIG):
+        if not temp[t] and present[t]:
+            memcpy(&s[t * MAX_DIMS], &strides[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
+    rc = _layout(p, ndim, sizes, reduced, s, big_dtype, mask_dtype, stat_dtype)
+    _clear_temps(p, ndim, sizes, present)
+    if rc != 0:
+        return rc
+    for t in range(2, N_BIG):
+        if temp[t]:
+            p.via_temp[t] = True
+            memcpy(p.given_strides[t], &strides[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
+            _like_x(s, ndim, sizes, t, big_dtype, mask_dtype, True, &p.temp_low[t],
+                    &p.temp_bytes[t])
+            memcpy(p.temp_strides[t], &s[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
+    return 0
+
+
+cdef void _clear_temps(Plan *p, int ndim, const int64_t *sizes,
+                       const unsigned char *present) noexcept nogil:
+    cdef int t, d
+    p.ndim = ndim
+    for t in range(N_BIG):
+        p.present[t] = present[t] or t < 2
+    for d in range(ndim):
+        p.sizes[d] = sizes[d]
+    for t in range(N_BIG):
+        p.via_temp[t] = False
+        p.temp_low[t] = 0
+        p.temp_bytes[t] = 0
+
+
+cdef inline int64_t _abs(int64_t v) noexcept nogil:
+    return -v if v < 0 else v
+
+
+cdef inline int64_t _operand_size(int t, int big_dtype, int mask_dtype) noexcept nogil:
+    return itemsize(mask_dtype) if t == 3 else itemsize(big_dtype)
+
+
+cdef bint _follows(const int64_t *s, int ndim, const int64_t *sizes, int t, int big_dtype,
+                   int mask_dtype) noexcept nogil:
+    """Whether operand t is laid out like x or like dy (strides in elements equal on every dim
+    of size > 1): then it merges, flips and runs channel-last wherever they do."""
+    cdef int64_t ts = _operand_size(t, big_dtype, mask_dtype), bs = itemsize(big_dtype)
+    cdef bint like_x = True, like_dy = True
+    cdef int d
+    for d in range(ndim):
+        if sizes[d] != 1:
+            like_x = like_x and s[t * MAX_DIMS + d] * bs == s[S_X * MAX_DIMS + d] * ts
+            like_dy = like_dy and s[t * MAX_DIMS + d] * bs == s[S_DY * MAX_DIMS + d] * ts
+    return like_x or like_dy
+
+
+cdef void _like_x(int64_t *s, int ndim, const int64_t *sizes, int t, int big_dtype,
+                  int mask_dtype, bint dense, int64_t *low, int64_t *nbytes) noexcept nogil:
+    """Row t of s becomes x's layout: x's own strides scaled to t's element size, or (dense)
+    a dense array with x's dim order - outermost = largest |x stride|, logical order on ties -
+    negative where x and dy both are (the dims a plan flips), which keeps x's visiting order
+    unless x has zero or overlapping strides.  low, nbytes: the dense array's lowest byte
+    offset and size."""
+    cdef int order[MAX_DIMS]
+    cdef int64_t ts = _operand_size(t, big_dtype, mask_dtype), bs = itemsize(big_dtype)
+    cdef int64_t size = ts, lo = 0
+    cdef int d, i, j, tmp
+    if not dense:
+        for d in range(ndim):
+            s[t * MAX_DIMS + d] = s[S_X * MAX_DIMS + d] // bs * ts
+        return
+    for d in range(ndim):
+        order[d] = d
+    for i in range(1, ndim):
+        j = i
+        while j > 0 and _abs(s[S_X * MAX_DIMS + order[j - 1]]) < \
+                _abs(s[S_X * MAX_DIMS + order[j]]):
+            tmp = order[j - 1]
+            order[j - 1] = order[j]
+            order[j] = tmp
+            j -= 1
+    for i in range(ndim - 1, -1, -1):
+        d = order[i]
+        if s[S_X * MAX_DIMS + d] < 0 and s[S_DY * MAX_DIMS + d] < 0:
+            s[t * MAX_DIMS + d] = -size
+            lo -= (sizes[d] - 1) * size
+        else:
+            s[t * MAX_DIMS + d] = size
+        size *= sizes[d]
+    if low != NULL:
+        low[0] = lo
+        nbytes[0] = size
+
+
+cdef bint _same_order(const Plan *a, const Plan *b) noexcept nogil:
+    """Whether the two plans visit x and dy alike (and so round every sum alike)."""
+    cdef int i, t
+    if (a.channel_last != b.channel_last or a.n_outer != b.n_outer
+            or a.inner_size != b.inner_size or a.block != b.block or a.nblocks != b.nblocks):
+        return False
+    for t in range(2):
+        if a.base[t] != b.base[t] or a.inner_stride[t] != b.inner_stride[t]:
+            return False
+        for i in range(a.n_outer):
+            if a.outer_size[i] != b.outer_size[i] or a.outer_stride[t][i] != b.outer_stride[t][i]:
+                return False
+    return True
+
+
+cdef inline void _swap(int64_t *a, int64_t *b) noexcept nogil:
+    cdef int64_t tmp = a[0]
+    a[0] = b[0]
+    b[0] = tmp
+
+
+cdef int _layout(Plan *p, int ndim, const int64_t *sizes, const unsigned char *reduced,
+                 const int64_t *strides, int big_dtype, int mask_dtype,
+                 int stat_dtype) noexcept nogil:
+    """The plan for exactly these strides of every operand."""
+    cdef int kept[MAX_DIMS]
+    cdef int red[MAX_DIMS]
+    cdef int nkept = 0, nred = 0, d, t, i, j, k
+    cdef int64_t C = 1, M = 1, s, c, idx, rem
+    cdef int64_t rsize[MAX_DIMS]
+    cdef int64_t rstride[N_BIG][MAX_DIMS]
+    cdef bint merge, flip
+
+    p.empty = False
+    p.channel_last = False
+    p.whole_rows = False
+    p.big_dtype = big_dtype
+    p.mask_dtype = mask_dtype
+    p.stat_dtype = stat_dtype
+    p.n_outer = 0
+    p.nblocks = 0
+    p.block = 1
+    for t in range(N_SLOTS):
+        p.chan_offset[t] = NULL
+        p.chan_stride[t] = 0
+    for t in range(N_BIG):
+        p.base[t] = 0
+        p.inner_stride[t] = 0
+
+    for d in range(ndim):
+        if reduced[d]:
+            M *= sizes[d]
+            if sizes[d] != 1:
+                red[nred] = d
+                nred += 1
+        else:
+            C *= sizes[d]
+            if sizes[d] != 1:
+                kept[nkept] = d
+                nkept += 1
+    p.channels = C
+    p.count = M
+    p.inner_size = 1
+    p.empty = C == 0 or M == 0
+    if C == 0:
+        return 0
+
+    # Channel origins, per slot: one stride when the kept dims merge, else a table.
+    for t in range(N_SLOTS):
+        merge = True
+        for i in range(nkept - 1):
+            if strides[t * MAX_DIMS + kept[i]] != \
+                    sizes[kept[i + 1]] * strides[t * MAX_DIMS + kept[i + 1]]:
+                merge = False
+        if merge:
+            p.chan_stride[t] = strides[t * MAX_DIMS + kept[nkept - 1]] if nkept else 0
+        else:
+            p.chan_offset[t] = <int64_t *> malloc(C * sizeof(int64_t))
+            if p.chan_offset[t] == NULL:
+                plan_free(p)
+                return -1
+            for c in range(C):
+                rem = c
+                s = 0
+                for i in range(nkept - 1, -1, -1):
+                    idx = rem % sizes[kept[i]]
+                    rem = rem // sizes[kept[i]]
+                    s += idx * strides[t * MAX_DIMS + kept[i]]
+                p.chan_offset[t][c] = s
+
+    if M == 0:
+        return 0        # no element to visit; the channel origins still place dscale, dbias
+
+    # Reduced dims: flip the ones negative in every big tensor, sort outermost first by
+    # |x stride|, merge.
+    for i in range(nred):
+        rsize[i] = sizes[red[i]]
+        flip = True
+        for t in range(N_BIG):
+            rstride[t][i] = strides[t * MAX_DIMS + red[i]]
+            flip = flip and rstride[t][i] < 0
+        if flip:
+            for t in range(N_BIG):
+                p.base[t] += (rsize[i] - 1) * rstride[t][i]
+                rstride[t][i] = -rstride[t][i]
+    for i in range(1, nred):              # insertion sort, stable: logical order on ties
+        j = i
+        while j > 0 and _abs(rstride[0][j - 1]) < _abs(rstride[0][j]):
+            _swap(&rsize[j - 1], &rsize[j])
+            for t in range(N_BIG):
+                _swap(&rstride[t][j - 1], &rstride[t][j])
+            j -= 1
+    k = 0
+    for i in range(nred):
+        merge = k > 0
+        for t in range(N_BIG):
+            merge = merge and rstride[t][k - 1] == rsize[i] * rstride[t][i]
+        if merge:
+            rsize[k - 1] *= rsize[i]
+            for t in range(N_BIG):
+                rstride[t][k - 1] = rstride[t][i]
+        else:
+            rsize[k] = rsize[i]
+            for t in range(N_BIG):
+                rstride[t][k] = rstride[t][i]
+            k += 1
+    nred = k
+
+    p.channel_last = C > 1
+    for t in range(N_BIG):
+        p.channel_last = (p.channel_last and p.chan_offset[t] == NULL
+                          and p.chan_stride[t] == _operand_size(t, big_dtype, mask_dtype))
+    if p.channel_last:
+        p.n_outer = nred
+        p.inner_size = C
+        for t in range(N_BIG):
+            p.inner_stride[t] = _operand_size(t, big_dtype, mask_dtype)
+        # rows per block: at least BLOCK elements' worth, and few enough blocks that the
+        # per-block sums (2 doubles per channel per block) stay within PARTIAL_BYTES
+        s = PARTIAL_BYTES // (16 * C)
+        s = 1 if s < 1 else (MAX_LAST_BLOCKS if s > MAX_LAST_BLOCKS else s)
+        p.block = BLOCK // C if BLOCK // C > MIN_BLOCK_ROWS else MIN_BLOCK_ROWS
+        if p.block < (M + s - 1) // s:
+            p.block = (M + s - 1) // s
+        p.nblocks = (M + p.block - 1) // p.block
+    else:
+        p.n_outer = nred - 1 if nred > 0 else 0
+        if nred > 0:
+            p.inner_size = rsize[nred - 1]
+            for t in range(N_BIG):
+                p.inner_stride[t] = rstride[t][nred - 1]
+        # blocks of whole rows when rows are shorter than a block, so that rows can also be
+        # visited in memory order without changing any sum
+        p.whole_rows = p.inner_size <= BLOCK
+        p.block = (BLOCK // p.inner_size) * p.inner_size if p.whole_rows else BLOCK
+        p.nblocks = (M + p.block - 1) // p.block
+    for i in range(p.n_outer):
+        p.outer_size[i] = rsize[i]
+        for t in range(N_BIG):
+            p.outer_stride[t][i] = rstride[t][i]
+    return 0
+
+
+cdef void plan_free(Plan *p) noexcept nogil:
+    cdef int t
+    for t in range(N_SLOTS):
+        free(p.chan_offset[t])
+        p.chan_offset[t] = NULL

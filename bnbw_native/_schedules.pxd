@@ -1,0 +1,29 @@
+from libc.stdint cimport int64_t
+
+from bnbw_native._engine cimport Plan
+
+cdef enum ScheduleKind:
+    SCHED_NOTHING = 0          # nothing to read: an empty batch, or constants only
+    SCHED_LAST_SPLIT = 1
+    SCHED_MAJOR_SWEEP = 2
+    SCHED_MAJOR_BLOCKS = 3
+    SCHED_MAJOR_SWEEP_FUSED = 4
+    SCHED_MAJOR_CHANNEL_FUSED = 5
+
+ctypedef struct Schedule:
+    # Everything execute() needs to know beyond the plan: chosen once per call by
+    # schedule_choose from the plan, what the call does and the thread count.
+    int kind                   # ScheduleKind
+    int nthreads               # threads that run the items (1: the calling thread alone)
+    bint direct                # the kernels read and write the big tensors where they lie
+    int sums                   # the kernels' sum mode: exact, or f32 blocks (and lane order)
+    bint streaming             # x and dy outgrow a cache share: a hint for the visiting order
+    int64_t group              # channels per item (channel-last items, sweeps, fused groups)
+    int64_t ngroups
+    int64_t items              # work items of the first pass
+    int64_t partial_doubles    # scratch for the block sums
+    int64_t tile_floats        # scratch per thread for staged rows
+
+cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil
+cdef int execute(const Plan *p, const Schedule *s, char **ptr, int op, double eps,
+                 double count, double *sums_io) noexcept nogil

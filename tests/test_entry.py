@@ -1,0 +1,180 @@
+"""The one way into the engine (bnbw_native._call): every front-end goes through it.
+
+Plain NumPy arrays and every other kind of array argument take the same path, so they give the
+same bits and the same refusals; the edge-case rules (an empty batch) hold in every front-end,
+the C API included; and the layer can say which plan and schedule a call gets.
+"""
+import numpy as np
+import pytest
+
+import bnbw_native
+from bnbw_native import _call, backward_apply, backward_reduce, dml, ngraph, onednn
+from bnbw_native._graph import GRAPH
+from conftest import BF16
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def make(rng, shape=(8, 16), dtype=np.float32, stat=np.float32, axis=-1):
+    C = shape[axis]
+    return (rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype),
+            rng.standard_normal(C).astype(stat), (rng.random(C) + 0.5).astype(stat),
+            rng.standard_normal(C).astype(stat))
+
+
+def _bits(results):
+    return [None if r is None else np.asarray(r).view(np.uint8).tobytes() for r in results]
+
+
+def _misaligned(a):
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    view = raw[1:].view(a.dtype).reshape(a.shape)
+    view[...] = a
+    assert not view.flags.aligned
+    return view
+
+
+class Sub(np.ndarray):
+    pass
+
+
+KINDS = {
+    "subclass": lambda a: a.view(Sub),
+    "byte-swapped": lambda a: a.astype(a.dtype.newbyteorder()),
+    "misaligned": _misaligned,
+    "read-only": lambda a: np.lib.stride_tricks.as_strided(a, writeable=False),
+    "memoryview": lambda a: memoryview(a),
+}
+if torch is not None:
+    KINDS["torch (DLPack)"] = lambda a: torch.from_numpy(a)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_every_kind_of_array_gives_the_bits_of_plain_numpy(rng, kind, dtype):
+    x, dy, mean, var, gamma = make(rng, (6, 5, 16), dtype)
+    want = bnbw_native.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3)
+    convert = KINDS[kind]
+    for role in range(5):
+        args = [x, dy, mean, var, gamma]
+        args[role] = convert(args[role].copy())
+        got = bnbw_native.batchnorm_training_backward(*args, epsilon=1e-3)
+        assert _bits(got) == _bits(want), (kind, role)
+
+
+REFUSED = {
+    "x float64": dict(x=lambda a: a.astype(np.float64)),
+    "dy shape": dict(dy=lambda a: a[:, :8]),
+    "mean float16 (graph rule)": dict(mean=lambda a: a.astype(np.float16)),
+    "var length": dict(var=lambda a: a[:8]),
+    "gamma 2-D": dict(gamma=lambda a: a[None, :]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+@pytest.mark.parametrize("kind", ["subclass", "memoryview"] + (["torch (DLPack)"] if torch else []))
+def test_every_kind_of_array_gets_the_same_refusal(rng, case, kind):
+    x, dy, mean, var, gamma = make(rng)
+    args = dict(x=x, dy=dy, mean=mean, var=var, gamma=gamma)
+    for role, spoil in REFUSED[case].items():
+        args[role] = np.ascontiguousarray(spoil(args[role]))
+    call = lambda a: bnbw_native.batchnorm_training_backward(
+        a["x"], a["dy"], a["mean"], a["var"], a["gamma"], epsilon=1e-5)
+    with pytest.raises((TypeError, ValueError)) as plain:
+        call(args)
+    (role,) = REFUSED[case]
+    args[role] = KINDS[kind](args[role])
+    with pytest.raises(plain.type) as other:
+        call(args)
+    assert str(other.value) == str(plain.value)
+
+
+# ---- an empty batch gives zero parameter gradients, whatever the statistics hold -------------
+
+def _empty_stats(C=3):
+    var = np.array([1.0, np.nan, -2.0], np.float32)[:C]     # r is NaN for two channels
+    return np.zeros(C, np.float32), var, np.ones(C, np.float32)
+
+
+def test_empty_batch_gives_zero_parameter_gradients_in_every_array_front_end():
+    x = np.zeros((0, 3, 4), np.float32)
+    mean, var, gamma = _empty_stats()
+    results = {
+        "graph": bnbw_native.batchnorm_training_backward(x, x, mean, var, gamma, epsilon=1e-5,
+                                                         data_format="NCX"),
+        "intel": onednn.batch_norm_training_backprop(x, x, mean, var, gamma, epsilon=1e-5,
+                                                     data_format="NCX"),
+        "ngraph": ngraph.batch_norm_training_backprop(x, gamma, gamma, mean, var, x,
+                                                      epsilon=1e-5),
+        "apply": backward_apply(x, x, mean, var, gamma, np.zeros((2, 3)), 0, epsilon=1e-5,
+                                data_format="NCX"),
+        "dml frozen": dml.batch_normalization_grad(x, x, mean.reshape(1, 3, 1),
+                                                   var.reshape(1, 3, 1),
+                                                   gamma.reshape(1, 3, 1), 1e-5),
+        "dml training": dml.batch_normalization_training_grad(
+            x, x, mean.reshape(1, 3, 1), var.reshape(1, 3, 1), gamma.reshape(1, 3, 1), 1e-5),
+    }
+    for name, (dx, dgamma, dbeta) in results.items():
+        assert dx.shape == x.shape, name
+        np.testing.assert_array_equal(np.ravel(dgamma), 0, err_msg=name)
+        np.testing.assert_array_equal(np.ravel(dbeta), 0, err_msg=name)
+        assert not np.signbit(np.ravel(dgamma)).any(), name
+
+
+def test_empty_batch_gives_zero_parameter_gradients_through_an_operator():
+    big = dml.TensorDesc("float32", (1, 3, 4))
+    stats = dml.TensorDesc("float32", (1, 3, 1))
+    op = dml.BatchNormalizationTrainingGrad(input=big, input_gradient=big, mean=stats,
+                                            variance=stats, scale=stats, output_gradient=big,
+                                            output_scale_gradient=stats,
+                                            output_bias_gradient=stats, epsilon=1e-5)
+    assert op.count == 4      # DirectML sizes are >= 1: an operator's batch is never empty
+    x = np.zeros((1, 3, 4), np.float32)
+    mean, var, gamma = _empty_stats()
+    outs = [np.full((1, 3, 1), 7.0, np.float32) for _ in range(2)]
+    op.execute(input=x, input_gradient=x, mean=mean, variance=var, scale=gamma,
+               output_gradient=np.empty_like(x), output_scale_gradient=outs[0],
+               output_bias_gradient=outs[1])
+    # a real batch: dgamma = r * 0 is NaN where r is, by IEEE arithmetic within the channel
+    assert np.isnan(outs[0].ravel()[1]) and outs[0].ravel()[0] == 0
+
+
+# ---- the plan and schedule a call gets ----------------------------------------------------
+
+def describe(x, data_format, formula=_call.TRAINING, num_threads=1, **kw):
+    C = x.shape[-1 if data_format == "NXC" else 1]
+    mean, var = np.zeros(C, np.float32), np.ones(C, np.float32)
+    return _call.describe(GRAPH, formula, x, x, mean, var, None, 1e-5, data_format,
+                          num_threads, **kw)
+
+
+@pytest.mark.parametrize("shape, data_format, threads, formula, schedule", [
+    ((32, 14, 14, 64), "NXC", 2, _call.TRAINING, "last-split"),
+    ((32, 64, 14, 14), "NCX", 2, _call.TRAINING, "major-sweep-fused"),
+    ((1, 4, 70000), "NCX", 2, _call.TRAINING, "major-channel-fused"),
+    ((32, 64, 14, 14), "NCX", 2, _call.FROZEN_DX, "major-sweep"),
+    ((1, 2, 70000), "NCX", 2, _call.FROZEN_DX, "major-blocks"),
+    ((0, 4, 3), "NCX", 2, _call.TRAINING, "nothing"),
+])
+def test_describe_names_the_schedule(shape, data_format, threads, formula, schedule):
+    facts = describe(np.zeros(shape, np.float32), data_format, formula, threads)
+    assert facts["schedule"] == schedule
+    assert facts["layout"] == ("empty" if 0 in shape else
+                               "channel-last" if data_format == "NXC" else "channel-major")
+
+
+def test_describe_reports_threads_sums_and_temporaries():
+    x = np.zeros((4, 3, 8, 8), np.float16)
+    facts = describe(x, "NCX", num_threads=2)
+    assert facts["sums"] == "blocked" and facts["threads"] == 1     # too small for threads
+    assert facts["channels"] == 3 and facts["count"] == 256
+    assert describe(x.astype(np.float32), "NCX")["sums"] == "exact"
+    if BF16 is not None:
+        assert describe(x.astype(BF16), "NCX")["sums"] == "blocked-even-odd"
+    like_nhwc = np.zeros((4, 8, 8, 3), bool).transpose(0, 3, 1, 2)  # same rows as x
+    assert describe(x, "NCX", relu_dst=like_nhwc)["via_temp"] == []
+    swapped = np.zeros((4, 3, 8, 8), bool).transpose(0, 1, 3, 2)     # H and W swapped
+    assert describe(x, "NCX", relu_dst=swapped)["via_temp"] == ["relu_dst"]
