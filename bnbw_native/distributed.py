@@ -1,4 +1,4 @@
-"""Synchronised batch-norm backward over existing distributed engines (SPEC 7).
+"""Synchronised batch-norm backward over existing distributed engines.
 
 Data-parallel training splits a batch over ranks; the training backward then needs the
 per-channel sums of every rank.  Each function here is the two-phase API with one collective
@@ -64,7 +64,8 @@ def _local_checks(data_format, epsilon):
 
 
 def sync_batchnorm_backward(x, dy, mean, variance, gamma=None, *, epsilon, data_format="NXC",
-                            group=None, out=None, num_threads=None):
+                            group=None, out=None, num_threads=None, relu_dst=None,
+                            diff_residual=None):
     """Training backward of a batch norm whose batch is split over a torch.distributed group.
 
     x, dy: this rank's rows (any of the array types and layouts of SPEC 3.1, DLPack producers
@@ -72,11 +73,13 @@ def sync_batchnorm_backward(x, dy, mean, variance, gamma=None, *, epsilon, data_
     group: a torch.distributed process group (None: the default group), initialised by the
     caller with a backend that reduces CPU tensors (gloo, or mpi).
     Returns BackwardResult(diff_src for the local rows, diff_gamma, diff_beta of the whole
-    batch).  out and num_threads as in batchnorm_training_backward.
+    batch).  out, num_threads, relu_dst (this rank's rows of the forward's ReLU output, for a
+    SyncBatchNorm followed by ReLU) and diff_residual as in batchnorm_training_backward.
     """
     result, _ = _torch_sync(x, dy, mean, variance, gamma, epsilon=epsilon,
                             data_format=data_format, group=group, out=out,
-                            num_threads=num_threads)
+                            num_threads=num_threads, relu_dst=relu_dst,
+                            diff_residual=diff_residual)
     return result
 
 
@@ -93,13 +96,13 @@ def _check_group(group):
 
 
 def _torch_sync(x, dy, mean, variance, gamma, *, epsilon, data_format, group, out,
-                num_threads, keep_local=False):
+                num_threads, keep_local=False, relu_dst=None, diff_residual=None):
     """The torch.distributed path; also returns a copy of the local sums when keep_local
     (the autograd layer derives DDP-style local parameter gradients from them)."""
     torch, dist = _check_group(group)
     _local_checks(data_format, epsilon)
     partial, count = backward_reduce(x, dy, mean, data_format=data_format,
-                                     num_threads=num_threads)
+                                     num_threads=num_threads, relu_dst=relu_dst)
     local = partial.copy() if keep_local else None
     counts = torch.tensor([count], dtype=torch.int64)
     # Both collectives in flight at once; from_numpy shares partial's memory, so the sums
@@ -110,12 +113,14 @@ def _torch_sync(x, dy, mean, variance, gamma, *, epsilon, data_format, group, ou
         work.wait()
     result = backward_apply(x, dy, mean, variance, gamma, partial, int(counts[0]),
                             epsilon=epsilon, data_format=data_format, out=out,
-                            num_threads=num_threads)
+                            num_threads=num_threads, relu_dst=relu_dst,
+                            diff_residual=diff_residual)
     return result, local
 
 
 def sync_batchnorm_backward_mpi(x, dy, mean, variance, gamma=None, *, epsilon,
-                                data_format="NXC", comm=None, out=None, num_threads=None):
+                                data_format="NXC", comm=None, out=None, num_threads=None,
+                                relu_dst=None, diff_residual=None):
     """sync_batchnorm_backward over an mpi4py communicator (None: MPI.COMM_WORLD).
 
     The sums are all-reduced in place in the NumPy buffers (MPI.IN_PLACE); every rank of
@@ -127,13 +132,14 @@ def sync_batchnorm_backward_mpi(x, dy, mean, variance, gamma=None, *, epsilon,
     comm = MPI.COMM_WORLD if comm is None else comm
     _local_checks(data_format, epsilon)
     partial, count = backward_reduce(x, dy, mean, data_format=data_format,
-                                     num_threads=num_threads)
+                                     num_threads=num_threads, relu_dst=relu_dst)
     counts = np.array([count], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, partial, op=MPI.SUM)
     comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
     return backward_apply(x, dy, mean, variance, gamma, partial, int(counts[0]),
                           epsilon=epsilon, data_format=data_format, out=out,
-                          num_threads=num_threads)
+                          num_threads=num_threads, relu_dst=relu_dst,
+                          diff_residual=diff_residual)
 
 
 __all__ = ["BackwardResult", "sync_batchnorm_backward", "sync_batchnorm_backward_mpi"]

@@ -1,4 +1,4 @@
-"""Data-parallel batch-norm backward (SPEC 7, issue 7): reductions past 2^32 elements, the
+"""Data-parallel batch-norm backward: reductions past 2^32 elements, the
 torch.distributed and MPI front-ends of bnbw_native.distributed, and the SyncBatchNorm layer.
 
 The multi-process tests start real ranks on 127.0.0.1 (gloo; mpirun for MPI) with uneven
@@ -142,7 +142,8 @@ def make_batch(path):
     data = dict(x=x, dy=dy, mean=x64.mean(axis=(0, 1, 2)).astype(np.float32),
                 var=x64.var(axis=(0, 1, 2)).astype(np.float32),
                 gamma=rng.uniform(0.5, 1.5, C).astype(np.float32),
-                beta=rng.standard_normal(C).astype(np.float32), eps=np.array(EPS))
+                beta=rng.standard_normal(C).astype(np.float32), eps=np.array(EPS),
+                relu=rng.standard_normal(x.shape).astype(np.float32))
     np.savez(path, **data)
     return data
 
@@ -230,13 +231,13 @@ def gloo_ranks(request, tmp_path_factory):
     return data, load_ranks(tmp, world)
 
 
-def whole_batch(data):
+def whole_batch(data, **kw):
     return bn.batchnorm_training_backward(data["x"], data["dy"], data["mean"], data["var"],
-                                          data["gamma"], epsilon=EPS)
+                                          data["gamma"], epsilon=EPS, **kw)
 
 
-def check_ranks(data, ranks, prefix, to_nxc=lambda a: a):
-    whole = whole_batch(data)
+def check_ranks(data, ranks, prefix, to_nxc=lambda a: a, **kw):
+    whole = whole_batch(data, **kw)
     bounds = data["bounds"]
     for r, res in enumerate(ranks):
         lo, hi = bounds[r], bounds[r + 1]
@@ -253,6 +254,15 @@ def check_ranks(data, ranks, prefix, to_nxc=lambda a: a):
 
 def test_gloo_ranks_equal_the_whole_batch_numpy_nxc(gloo_ranks):
     check_ranks(*gloo_ranks, "nxc")
+
+
+def test_gloo_ranks_with_a_relu_mask_equal_the_whole_batch(gloo_ranks):
+    data, ranks = gloo_ranks
+    check_ranks(data, ranks, "relu", relu_dst=data["relu"])
+    g = np.where(data["relu"] > 0, data["dy"], np.float32(0))
+    for r, res in enumerate(ranks):
+        lo, hi = data["bounds"][r], data["bounds"][r + 1]
+        np.testing.assert_array_equal(res["relu_residual"], g[lo:hi])
 
 
 def test_gloo_ranks_equal_the_whole_batch_torch_ncx_out(gloo_ranks):
@@ -321,6 +331,7 @@ def test_mpi_ranks_equal_the_whole_batch(tmp_path):
     ranks = load_ranks(tmp_path, 2)
     assert all(int(r["world"]) == 2 for r in ranks)
     check_ranks(data, ranks, "nxc")
+    check_ranks(data, ranks, "relu", relu_dst=data["relu"])
 
 
 # ---- the README example -----------------------------------------------------------------

@@ -20,8 +20,12 @@ def main(data_path, out_dir):
     res = sync_batchnorm_backward_mpi(data["x"][lo:hi], data["dy"][lo:hi], data["mean"],
                                       data["var"], data["gamma"], epsilon=float(data["eps"]),
                                       num_threads=1)
+    relu = sync_batchnorm_backward_mpi(data["x"][lo:hi], data["dy"][lo:hi], data["mean"],
+                                       data["var"], data["gamma"], epsilon=float(data["eps"]),
+                                       num_threads=1, relu_dst=data["relu"][lo:hi])
     np.savez(f"{out_dir}/rank{rank}.npz", nxc_dx=res.diff_src, nxc_dgamma=res.diff_gamma,
-             nxc_dbeta=res.diff_beta, world=np.array(MPI.COMM_WORLD.Get_size()))
+             nxc_dbeta=res.diff_beta, relu_dx=relu.diff_src, relu_dgamma=relu.diff_gamma,
+             relu_dbeta=relu.diff_beta, world=np.array(MPI.COMM_WORLD.Get_size()))
 
 
 if __name__ == "__main__":

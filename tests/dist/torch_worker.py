@@ -33,6 +33,14 @@ def main(rank, world, data_path, out_dir):
     res = sync_batchnorm_backward(x, dy, mean, var, gamma, epsilon=eps, num_threads=1)
     saved.update(nxc_dx=res.diff_src, nxc_dgamma=res.diff_gamma, nxc_dbeta=res.diff_beta)
 
+    # a SyncBatchNorm followed by ReLU: this rank's rows of the forward's output as the mask
+    relu = data["relu"][lo:hi]
+    res_grad = np.empty_like(dy)
+    res = sync_batchnorm_backward(x, dy, mean, var, gamma, epsilon=eps, num_threads=1,
+                                  relu_dst=relu, diff_residual=res_grad)
+    saved.update(relu_dx=res.diff_src, relu_dgamma=res.diff_gamma, relu_dbeta=res.diff_beta,
+                 relu_residual=res_grad)
+
     # torch tensors, channels first, outputs written into torch tensors (DLPack, no copy)
     xt = torch.from_numpy(np.ascontiguousarray(np.moveaxis(x, -1, 1)))
     dyt = torch.from_numpy(np.ascontiguousarray(np.moveaxis(dy, -1, 1)))
