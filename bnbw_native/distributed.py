@@ -68,7 +68,7 @@ def sync_batchnorm_backward(x, dy, mean, variance, gamma=None, *, epsilon, data_
                             diff_residual=None):
     """Training backward of a batch norm whose batch is split over a torch.distributed group.
 
-    x, dy: this rank's rows (any of the array types and layouts of SPEC 3.1, DLPack producers
+    x, dy: this rank's rows (any array, any layout, as batchnorm_training_backward takes, DLPack producers
     included); mean, variance: the GLOBAL batch statistics; gamma None means 1.
     group: a torch.distributed process group (None: the default group), initialised by the
     caller with a backend that reduces CPU tensors (gloo, or mpi).

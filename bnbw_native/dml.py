@@ -1,4 +1,4 @@
-"""DirectML ``DML_OPERATOR_BATCH_NORMALIZATION_GRAD`` and ``..._TRAINING_GRAD`` (SPEC 3.4; seed 004).
+"""DirectML ``DML_OPERATOR_BATCH_NORMALIZATION_GRAD`` and ``..._TRAINING_GRAD``.
 
 Descriptors mirror ``DML_BUFFER_TENSOR_DESC``; operators are compiled once (every check runs
 then) and executed many times on raw memory::
@@ -45,7 +45,8 @@ _TYPE_ERRORS = {_capi.STATUS["ERROR_DATA_TYPE"]}
 
 
 def _status(function, *args):
-    """Run a _capi function; its status codes become the exceptions of SPEC 6."""
+    """Run a _capi function; its status codes become TypeError (data types), MemoryError or
+    ValueError (everything else)."""
     try:
         return function(*args)
     except _capi.Error as exc:

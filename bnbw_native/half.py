@@ -1,4 +1,4 @@
-"""float16 / bfloat16 <-> float32 conversions, bit-exact with NumPy and ml_dtypes (SPEC §5, §6).
+"""float16 / bfloat16 <-> float32 conversions, bit-exact with NumPy and ml_dtypes.
 
 Why it is shaped this way:
 

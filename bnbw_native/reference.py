@@ -84,7 +84,7 @@ def backward(x, dy, mean, variance, scale=None, *, epsilon, reduce_axes, formula
 
 def batchnorm_training_backward(src, diff_dst, mean, variance, gamma=None, *, epsilon,
                                 data_format="NXC", num_outputs=3):
-    """Slow twin of ``bnbw_native.batchnorm_training_backward`` (oneDNN Graph, SPEC section 3.1).
+    """Slow twin of ``bnbw_native.batchnorm_training_backward`` (oneDNN Graph).
 
     Returns ``(diff_src, diff_gamma, diff_beta)`` in float64.  ``mean``, ``variance`` and
     ``gamma`` are 1-D of length C; the channel axis is 1 for ``"NCX"`` and the last for ``"NXC"``.

@@ -1,5 +1,5 @@
 /*
- * bnbw_native.h - the C API of bnbw_native (SPEC 3.4, 3.5).
+ * bnbw_native.h - the C API of bnbw_native.
  *
  * The DirectML batch-normalization gradient operators for C callers:
  *
