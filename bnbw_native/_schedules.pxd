@@ -21,6 +21,7 @@ ctypedef struct Schedule:
     int64_t group              # channels per item (channel-last items, sweeps, fused groups)
     int64_t ngroups
     int64_t items              # work items of the first pass
+    int64_t partial_stride     # doubles between two blocks' sums (whole 64-byte lines)
     int64_t partial_doubles    # scratch for the block sums
     int64_t tile_floats        # scratch per thread for staged rows
 

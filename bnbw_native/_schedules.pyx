@@ -101,6 +101,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.ngroups = 0
     s.items = 0
     s.partial_doubles = 0
+    s.partial_stride = (2 * C + 7) // 8 * 8
     s.tile_floats = 0
     if p.empty or not (sums or dx):
         s.kind = SCHED_NOTHING
@@ -120,7 +121,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         s.group = TILE // BNBW_BLOCK_ROWS if p.big_dtype != DT_F32 and not s.direct else TILE
         s.ngroups = (C + s.group - 1) // s.group
         s.items = p.nblocks * s.ngroups
-        s.partial_doubles = 2 * C * p.nblocks if sums else 0
+        s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
     else:
         s.items = C * p.nblocks
     if s.nthreads > s.items:
@@ -141,7 +142,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
             s.group = g if g > 0 else 1
             s.ngroups = (C + s.group - 1) // s.group
             s.items = s.ngroups
-            s.partial_doubles = 2 * C * p.nblocks
+            s.partial_doubles = s.partial_stride * p.nblocks
         else:
             s.kind = SCHED_MAJOR_CHANNEL_FUSED
             s.items = C
@@ -153,7 +154,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         s.items = p.nblocks * s.ngroups
     else:
         s.kind = SCHED_MAJOR_BLOCKS
-    s.partial_doubles = 2 * C * p.nblocks if sums else 0
+    s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -377,7 +378,7 @@ cdef void major_block(const Work *w, int64_t c, int64_t b, int what, float *tile
 cdef void sweep_block(const Work *w, int64_t b, int64_t c_lo, int64_t c_hi, int what,
                       float *tiles) noexcept nogil:
     """The whole rows of block b, each for channels c_lo..c_hi in turn (memory order for NCX).
-    Channel c's block sum, partial[2*(c*nblocks + b)], adds the same rows in the same order
+    Channel c's block sum, block b's pair for c (block_sums), adds the same rows in the order
     as major_block(c, b).  Rows the kernels take in place, of channels a fixed stride apart,
     go to them as one run per outer row (row_run): the same row sums, one call instead of
     c_hi - c_lo.  Rows longer than TILE go through row_span, which cuts them where every
@@ -389,25 +390,25 @@ cdef void sweep_block(const Work *w, int64_t b, int64_t c_lo, int64_t c_hi, int 
     cdef double *sums
     cdef bint runs = (w.s.direct and p.inner_size <= TILE and p.chan_offset[S_X] == NULL
                       and p.chan_offset[S_DY] == NULL and p.chan_offset[S_DX] == NULL)
+    cdef double *block = block_sums(w, b) if what & OP_REDUCE else NULL
     if what & OP_REDUCE:
         for c in range(c_lo, c_hi):
-            w.partial[2 * (c * p.nblocks + b)] = 0.0
-            w.partial[2 * (c * p.nblocks + b) + 1] = 0.0
+            block[2 * c] = 0.0
+            block[2 * c + 1] = 0.0
     for row in range(b * k, r_end):
         row_origin(p, row, off)
         if runs:
-            row_run(w, off, c_lo, c_hi, what,
-                    w.partial + 2 * (c_lo * p.nblocks + b) if what & OP_REDUCE else NULL)
+            row_run(w, off, c_lo, c_hi, what, block + 2 * c_lo if what & OP_REDUCE else NULL)
             continue
         for c in range(c_lo, c_hi):
-            sums = w.partial + 2 * (c * p.nblocks + b) if what & OP_REDUCE else NULL
+            sums = block + 2 * c if what & OP_REDUCE else NULL
             row_span(w, c, off, 0, p.inner_size, what, tiles, sums)
 
 
 cdef inline void row_run(const Work *w, const int64_t *off, int64_t c_lo, int64_t c_hi,
                          int what, double *sums) noexcept nogil:
     """The whole rows (shorter than TILE) of channels c_lo..c_hi at row origin `off`, in place,
-    one kernel call per step; `sums` is channel c_lo's block sum, the next 2 * nblocks on.
+    one kernel call per step; `sums` is channel c_lo's block sum, the next channel's 2 on.
     Row by row it does what row_span does: reduce, then apply or scale."""
     cdef const Plan *p = w.p
     cdef int64_t L = p.inner_size, n = c_hi - c_lo
@@ -416,8 +417,7 @@ cdef inline void row_run(const Work *w, const int64_t *off, int64_t c_lo, int64_
     cdef const char *g = w.dy + off[S_DY] + sg * c_lo
     cdef char *d = w.dx + off[S_DX] + sd * c_lo if what & OP_DX else NULL
     if what & OP_REDUCE:
-        bnbw_reduce_row_run(x, sx, g, sg, L, n, w.mean + c_lo, sums, 2 * p.nblocks, w.s.sums,
-                            w.kdt)
+        bnbw_reduce_row_run(x, sx, g, sg, L, n, w.mean + c_lo, sums, 2, w.s.sums, w.kdt)
     if what & OP_DX:
         if w.op & OP_TRAINING:
             bnbw_apply_row_run(x, sx, g, sg, d, sd, L, n, w.mean + c_lo, w.k1 + c_lo,
@@ -541,13 +541,20 @@ cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, float *ti
 # The items of each schedule
 # ---------------------------------------------------------------------------------------
 
+cdef inline double *block_sums(const Work *w, int64_t b) noexcept nogil:
+    """Block b's sums: whole 64-byte lines of their own, so that threads summing different
+    blocks never write to one line (channel-last: Sum dy of every channel, then Sum (x - mean)
+    dy; channel-major: the two sums of each channel in turn)."""
+    return w.partial + b * w.s.partial_stride
+
+
 cdef void _last_item(const Work *w, int64_t i, float *tiles) noexcept nogil:
     cdef const Plan *p = w.p
-    cdef double *block_sums = NULL
+    cdef double *sums = NULL
     if w.what & OP_REDUCE:
-        block_sums = w.partial + 2 * p.channels * (i // w.s.ngroups)
-    last_block(w, i // w.s.ngroups, i % w.s.ngroups, w.what, tiles, block_sums,
-               block_sums + p.channels if block_sums != NULL else NULL)
+        sums = block_sums(w, i // w.s.ngroups)
+    last_block(w, i // w.s.ngroups, i % w.s.ngroups, w.what, tiles, sums,
+               sums + p.channels if sums != NULL else NULL)
 
 
 cdef void _sweep_item(const Work *w, int64_t i, float *tiles) noexcept nogil:
@@ -556,8 +563,9 @@ cdef void _sweep_item(const Work *w, int64_t i, float *tiles) noexcept nogil:
 
 
 cdef void _major_item(const Work *w, int64_t i, float *tiles) noexcept nogil:
-    major_block(w, i // w.p.nblocks, i % w.p.nblocks, w.what, tiles,
-                w.partial + 2 * i if w.what & OP_REDUCE else NULL)
+    cdef int64_t c = i // w.p.nblocks, b = i % w.p.nblocks
+    major_block(w, c, b, w.what, tiles,
+                block_sums(w, b) + 2 * c if w.what & OP_REDUCE else NULL)
 
 
 cdef void _combine(const Work *w, int64_t c) noexcept nogil:
@@ -565,13 +573,15 @@ cdef void _combine(const Work *w, int64_t c) noexcept nogil:
     cdef const Plan *p = w.p
     cdef int64_t b, C = p.channels
     cdef double acc_g = 0.0, acc_xg = 0.0
+    cdef const double *block
     for b in range(p.nblocks):
+        block = block_sums(w, b)
         if p.channel_last:
-            acc_g = acc_g + w.partial[2 * C * b + c]
-            acc_xg = acc_xg + w.partial[2 * C * b + C + c]
+            acc_g = acc_g + block[c]
+            acc_xg = acc_xg + block[C + c]
         else:
-            acc_g = acc_g + w.partial[2 * (c * p.nblocks + b)]
-            acc_xg = acc_xg + w.partial[2 * (c * p.nblocks + b) + 1]
+            acc_g = acc_g + block[2 * c]
+            acc_xg = acc_xg + block[2 * c + 1]
     w.sums[2 * c] = acc_g
     w.sums[2 * c + 1] = acc_xg
 
@@ -706,6 +716,7 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
     cdef bint fused = s.kind == SCHED_MAJOR_SWEEP_FUSED or s.kind == SCHED_MAJOR_CHANNEL_FUSED
     cdef bint want_coef = (op & (OP_DX | OP_PARAMS)) != 0     # a reduce-only call needs none
     cdef int first
+    cdef double *partial_memory = NULL
     if C == 0:
         return 0
     stats = <float *> malloc(4 * C * sizeof(float))
@@ -747,10 +758,11 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
     if s.kind != SCHED_NOTHING:
         w.tiles = <float *> malloc(s.nthreads * s.tile_floats * sizeof(float))
         if s.partial_doubles:
-            w.partial = <double *> calloc(s.partial_doubles, sizeof(double))
-        if w.tiles == NULL or (s.partial_doubles and w.partial == NULL):
+            partial_memory = <double *> calloc(s.partial_doubles + 8, sizeof(double))
+            w.partial = <double *> ((<size_t> partial_memory + 63) & ~(<size_t> 63))
+        if w.tiles == NULL or (s.partial_doubles and partial_memory == NULL):
             free(w.tiles)
-            free(w.partial)
+            free(partial_memory)
             free(stats)
             free(sums)
             return -1
@@ -783,7 +795,7 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
             store_stat(ptr[S_DSCALE], p.stat_dtype, chan_origin(p, S_DSCALE, c), w.dscale[c])
             store_stat(ptr[S_DBIAS], p.stat_dtype, chan_origin(p, S_DBIAS, c), w.dbias[c])
     free(w.tiles)
-    free(w.partial)
+    free(partial_memory)
     free(stats)
     free(sums)
     return 0
