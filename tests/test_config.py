@@ -5,6 +5,7 @@ The cap is read when the package is imported, so each case starts a fresh interp
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -20,8 +21,10 @@ def _fresh(code, kernels=None):
     env.pop("BNBW_KERNELS", None)
     if kernels is not None:
         env["BNBW_KERNELS"] = kernels
+    # cwd outside the checkout: there `import bnbw_native` would find the source tree, which
+    # holds no built extension after `pip install .`
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, check=True)
+                          timeout=120, check=True, cwd=tempfile.gettempdir())
     return done.stdout, done.stderr
 
 
