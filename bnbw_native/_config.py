@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from . import _call, _half
+from . import _call
 
 __version__ = "0.1.0"
 
@@ -64,8 +64,7 @@ def use_kernels(name):
     if name is not None and name not in KERNEL_CAPS:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CAPS)} or None, got {name!r}")
     level = len(KERNEL_CAPS) - 1 if name is None else KERNEL_CAPS.index(name)
-    for module in (_call, _half):
-        module._set_body_cap(level)
+    _call._set_body_cap(level)
     previous, _kernel_cap = _kernel_cap, name
     return previous
 

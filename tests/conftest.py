@@ -34,6 +34,13 @@ def kernels(cap):
         _config.use_kernels(previous)
 
 
+def bodies():
+    """The kernel bodies this CPU runs, as BNBW_KERNELS names them, most portable first."""
+    from bnbw_native import _call, _config
+    best = {"portable": 0, "AVX2": 1, "AVX-512": 2}[_call.build_info()["cpu_kernels"]]
+    return list(_config.KERNEL_CAPS[:best + 1])
+
+
 @pytest.fixture
 def rng(request):
     """A NumPy Generator seeded from the test's id: reproducible, and different per test."""

@@ -19,6 +19,9 @@ def _fresh(code, kernels=None):
     """stdout and stderr of `code` run by a new interpreter with BNBW_KERNELS=kernels."""
     env = dict(os.environ)
     env.pop("BNBW_KERNELS", None)
+    # the package this test process imported (installed, or built in place), from anywhere
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(bnbw_native.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
     if kernels is not None:
         env["BNBW_KERNELS"] = kernels
     # cwd outside the checkout: there `import bnbw_native` would find the source tree, which
