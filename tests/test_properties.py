@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 import bnbw_native
 from bnbw_native import dml, ngraph, onednn
-from error_bounds import (BF16, BLOCKED_SUMS, F16, F32, Sentinel, assert_within, expected,
-                          same_bits, strided)
+from error_bounds import (ARITH, BF16, BLOCKED_SUMS, F16, F32, SUMS, Sentinel, assert_within,
+                          expected, same_bits, strided)
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
           HealthCheck.large_base_example]
@@ -285,9 +285,9 @@ def _check_two_phase(data):
     # f64 sums of f32 terms; f16/bf16 storage sums f32 blocks first (error_bounds.BLOCKED_SUMS),
     # and (x - mean) is rounded to f32 before its product
     blocked = c["t1"] != F32
-    tol_g = ((BLOCKED_SUMS if blocked else 2.0 ** -30) * np.abs(g64).sum(axis=c["axes"]).reshape(-1)
+    tol_g = ((BLOCKED_SUMS if blocked else SUMS) * np.abs(g64).sum(axis=c["axes"]).reshape(-1)
              + 1e-300)
-    tol_xg = ((2.0 ** -20 + (BLOCKED_SUMS if blocked else 0.0))
+    tol_xg = ((ARITH + (BLOCKED_SUMS if blocked else 0.0))
               * np.abs(centered * g64).sum(axis=c["axes"]).reshape(-1) + 1e-300)
     assert np.all(np.abs(total_a[0] - want_g) <= tol_g), (total_a[0], want_g)
     assert np.all(np.abs(total_a[1] - want_xg) <= tol_xg), (total_a[1], want_xg)
