@@ -4,6 +4,7 @@ Test modules import the helpers by name (``from conftest import kernels, make_la
 puts this directory on ``sys.path`` (rootdir conftest, default import mode).  How close a result
 must be to the float64 reference is decided in one place, error_bounds.py (its table,
 `assert_close` and `assert_within`); `assert_close` and `BF16` are re-exported here.
+Section numbers in the tests ("contract §3.1") are those of docs/contract.md.
 """
 import zlib
 from contextlib import contextmanager

@@ -1,4 +1,4 @@
-"""A catalogue of refused calls (SPEC 6): one test per refusal path of every public function and
+"""A catalogue of refused calls (contract 6): one test per refusal path of every public function and
 constructor.
 
 Each case builds a valid call with every output (and every input) in place, spoils one argument,

@@ -1,4 +1,4 @@
-"""C callers (SPEC 3.5): tests/capi/example.c, compiled here against include/bnbw_native.h."""
+"""C callers (contract 3.5): tests/capi/example.c, compiled here against include/bnbw_native.h."""
 import importlib.util
 import os
 import shlex

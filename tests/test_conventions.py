@@ -1,4 +1,4 @@
-"""The Intel spec (SPEC 3.2), nGraph (SPEC 3.3) and two-phase (SPEC 7) front-ends, and a
+"""The Intel spec (contract 3.2), nGraph (contract 3.3) and two-phase (contract 7) front-ends, and a
 cross-check that every front-end computes the same thing on the same data."""
 import numpy as np
 import pytest
@@ -133,7 +133,7 @@ def test_ngraph_refusals_name_the_argument(which, value, error):
         ngraph.batch_norm_training_backprop(**args, epsilon=1e-3)
 
 
-# ---- two phases (SPEC 7) ----------------------------------------------------------------
+# ---- two phases (contract 7) ----------------------------------------------------------------
 
 LAYOUTS = [("NCX", (3, 5, 70000)), ("NXC", (70000, 7)), ("NCX", (2, 64, 9, 9)),
            ("NXC", (4, 9, 9, 33)), ("NXC", (1 << 17, 1))]

@@ -1,4 +1,5 @@
-"""DirectML front-end (SPEC 3.4): descriptors, both operators, every constraint, the conveniences."""
+"""DirectML front-end (contract 3.4): descriptors, both operators, every constraint, the
+conveniences."""
 import copy
 import ctypes
 import itertools

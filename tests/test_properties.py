@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis): every convention, dtype and memory layout against the float64
-reference, and bit-identical for every thread count (SPEC 1, 3, 4, 7).
+reference, and bit-identical for every thread count (contract 1, 3, 4, 7).
 
 Shapes: rank 1 to 8 (2 to 8 for the oneDNN-style fronts), sizes 1 and primes, now and then one
 large prime dim so that the work is split across threads and into several reduction blocks.
@@ -243,7 +243,7 @@ def test_array_front_matches_reference_thorough(front, data):
     _check_array_front(front, data)
 
 
-# ---- two phases (SPEC 7): shards along axis 0, global sums, per-shard apply -----------------
+# ---- two phases (contract 7): shards along axis 0, global sums, per-shard apply -----------------
 
 def _check_two_phase(data):
     c = _array_front_case(data, "graph3")

@@ -1,4 +1,4 @@
-"""Scale and special values (SPEC 1, 7): 64-bit offsets, counts past 2^31, NaN and inf kept
+"""Scale and special values (contract 1, 7): 64-bit offsets, counts past 2^31, NaN and inf kept
 in their channel, constant channels.
 
 Tensors of more than 2^31 logical elements are built from small arrays with zero strides
