@@ -14,10 +14,12 @@ import pytest
 
 from bnbw_native import backward_reduce
 from conftest import BF16, bodies, kernels
+from error_bounds import BLOCKED_SUMS
 
 HALVES = [np.float16] + ([BF16] if BF16 is not None else [])
 LANES, RUNS, BLOCK_ROWS = 16, 16, 16    # bnbw_kernels.h: BNBW_LANES, _BLOCK_RUNS, _BLOCK_ROWS
-BOUND = (RUNS + 1) * 2.0 ** -24         # a block's roundings, relative to its sum of |terms|
+BOUND = BLOCKED_SUMS      # a block's RUNS + 1 roundings, relative to its sum of |terms|
+assert BOUND == (RUNS + 1) * 2.0 ** -24
 # BNBW_BLOCKS_EVEN_ODD (bf16): the element of a run that lane l of a block sums
 EVEN_ODD = np.r_[0:LANES:2, 1:LANES:2]
 

@@ -63,8 +63,12 @@ def _every_body(call):
     return results
 
 
-def _same_on_every_body(call):
-    """call()'s outputs (None or arrays) are the same bits on every body."""
+def _same_on_every_body(call, compared=True):
+    """call()'s outputs (None or arrays) are the same bits on every body.  A test that only
+    compares the bodies is skipped where the CPU runs one body (it could not fail);
+    compared=False for a test that checks each result against something else too."""
+    if compared and len(bodies()) == 1:
+        pytest.skip("this CPU runs the portable body only: nothing to compare")
     portable, *others = _every_body(call)
     for other in others:
         for got, want in zip(other, portable):
@@ -117,7 +121,7 @@ def test_in_place_and_strided_operands_give_the_portable_bits(rng, dtype, layout
         np.testing.assert_array_equal(_bits(buf), _bits(dx))   # in place == out of place
         return dx, dg, db
 
-    _same_on_every_body(call)
+    _same_on_every_body(call, compared=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -144,7 +148,7 @@ def test_padding_of_short_rows_adds_nothing(rng, dtype, shape, data_format):
             x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format)):
         assert np.isneginf(float(result[1][0]))
     _same_on_every_body(lambda: batchnorm_training_backward(
-        x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format))
+        x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format), compared=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
