@@ -1122,7 +1122,7 @@ def parse_threads(text):
 
 def select_shapes(text, quick):
     if not text:
-        return dict(shape_lists.QUICK if quick else shape_lists.ALL)
+        return dict(shape_lists.QUICK if quick else shape_lists.DEFAULT)
     chosen = {}
     for item in text.split(","):
         item = item.strip()
