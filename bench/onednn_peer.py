@@ -102,7 +102,13 @@ class OneDNNError(RuntimeError):
 
 
 class Unsupported(OneDNNError):
-    """oneDNN has no implementation for this case (dnnl_unimplemented)."""
+    """oneDNN has no implementation for this case (dnnl_unimplemented), or this binding
+    declines it (`why`)."""
+
+    def __init__(self, what, status=dnnl_unimplemented, why=None):
+        super().__init__(what, status)
+        if why:
+            self.args = (why,)
 
 
 def library_candidates():
@@ -224,7 +230,7 @@ class OneDNN:
     @staticmethod
     def check(what, status):
         if status == dnnl_unimplemented:
-            raise Unsupported(what, status)
+            raise Unsupported(what, status, why=f"no implementation ({what})")
         if status != dnnl_success:
             raise OneDNNError(what, status)
 
@@ -319,7 +325,7 @@ class Backward:
             if not dense(x):
                 # oneDNN 3.2 accepts it (its reference implementation), then indexes the
                 # workspace, sized for a dense tensor, with the strides of x: out of bounds.
-                raise Unsupported("fuse_norm_relu on a tensor with gaps", dnnl_unimplemented)
+                raise Unsupported("fuse_norm_relu", why="fuse_norm_relu on a tensor with gaps")
 
         # The forward hint (and, for ReLU, the forward that makes the workspace).  With global
         # statistics it normalises with the very mean and variance the backward is given.

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 
+import shapes as shape_lists
 from cases import DTYPE_KEYS
 
 WEAK_DRAM_PCT = 90.0     # DRAM-sized rows below this % of roofline are flagged
@@ -91,6 +92,36 @@ def class_bandwidth(rows):
         groups.setdefault((row.size_class, row.formula, row.threads), []).append(row.probe_gbs)
     return [{"class": c, "formula": f, "threads": t, "probe_gbs": float(np.median(v)),
              "rows": len(v)} for (c, f, t), v in sorted(groups.items())]
+
+
+def network_totals(rows):
+    """For each whole network (shapes.NETWORK_LAYERS) whose every shape has a row: the time of
+    all its batch norms' backward (each shape's ms x how many layers have it), ours and the
+    peers, per layout, dtype, formula, threads and body.  A peer's total needs all its rows."""
+    out = []
+    for group in shape_lists.NETWORK_LAYERS:
+        members = shape_lists.GROUPS[group]
+        variants = {}
+        for row in rows:
+            if row.case in members:
+                key = (row.layout, row.dtype, row.formula, row.threads, row.body)
+                variants.setdefault(key, {})[row.case] = row
+        for (layout, dtype, formula, threads, body), found in variants.items():
+            if set(found) != set(members):
+                continue
+            entry = {"network": group, "layout": layout, "dtype": dtype, "formula": formula,
+                     "threads": threads, "body": body}
+            for who, attr in (("ours", "ours_ms"), ("torch", "torch_ms"),
+                              ("onednn", "onednn_ms")):
+                times = [getattr(r, attr) for r in found.values()]
+                entry[f"{who}_ms"] = (sum(shape_lists.LAYERS[n] * getattr(r, attr)
+                                          for n, r in found.items())
+                                      if all(t is not None for t in times) else None)
+            for who in ("torch", "onednn"):
+                entry[f"vs_{who}"] = (entry[f"{who}_ms"] / entry["ours_ms"]
+                                      if entry[f"{who}_ms"] else None)
+            out.append(entry)
+    return out
 
 
 def onednn_implementations(rows):

@@ -51,7 +51,8 @@ from machine import L2_BYTES, L3_BYTES, available_cores, machine_info  # noqa: E
 from memory import peak_memory  # noqa: E402
 from overhead import call_overhead  # noqa: E402
 from report import (WEAK_CACHE_SPEEDUP, WEAK_DRAM_PCT, class_bandwidth,  # noqa: E402
-                    onednn_implementations, plot, weak_rows, weak_summary, write_json)
+                    fmt_ratio, network_totals, onednn_implementations, plot, weak_rows,
+                    weak_summary, write_json)
 from runner import PEERS, Runner  # noqa: E402
 from timing import FULL, QUICK  # noqa: E402
 
@@ -190,6 +191,14 @@ def main(argv=None):
         print("\noneDNN implementations chosen (rows): " +
               ", ".join(f"{name} ({n})" for name, n in impls.items()))
 
+    networks = network_totals(rows)
+    if networks:
+        print("\nwhole networks, every batch norm's backward once (sum of layers x ms):")
+        for e in networks:
+            print(f"  {e['network']:<16} {e['layout']:<7} {e['dtype']:<4} {e['formula']:<9} "
+                  f"thr {e['threads']} {e['body']}: ours {e['ours_ms']:9.2f} ms, "
+                  f"xtorch {fmt_ratio(e['vs_torch'])}, xonednn {fmt_ratio(e['vs_onednn'])}")
+
     t0 = perf_counter()
     overhead = call_overhead(rounds=5 if args.quick else 9, number=300 if args.quick else 2000,
                              onednn=runner.onednn)
@@ -239,7 +248,7 @@ def main(argv=None):
                           "half_precision": "half of f32 for the tensors, masks 1 byte",
                           "strided_factor": 2},
         "tolerance": TOLERANCE, "bandwidth": bw, "bandwidth_per_class": per_class,
-        "onednn_implementations": impls,
+        "onednn_implementations": impls, "networks": networks,
         "rows": [asdict(r) for r in rows], "overhead": overhead, "memory": memory,
         "weak": [{"case": r.case, "layout": r.layout, "dtype": r.dtype, "formula": r.formula,
                   "threads": r.threads, "body": r.body, "why": why} for r, why in weak],

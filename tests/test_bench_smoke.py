@@ -5,7 +5,7 @@ import importlib.util
 import json
 import pathlib
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -138,6 +138,15 @@ def test_results_written_as_json(rows, tmp_path):
     for row in rows:
         assert row.case in table.row(row) and row.case in report.format_row(row)
     assert report.weak_summary(rows, report.weak_rows(rows)) is not None
+
+
+def test_network_totals_weigh_each_shape_by_its_layers(rows):
+    fake = [replace(rows[0], case=name, ours_ms=1.0, torch_ms=2.0, onednn_ms=None)
+            for name in shapes.RESNET50_B50]
+    (total,) = report.network_totals(fake)
+    assert total["network"] == "RESNET50_B50" and total["ours_ms"] == 53
+    assert total["vs_torch"] == 2 and total["onednn_ms"] is None
+    assert report.network_totals(fake[1:]) == []          # a shape missing: no total
 
 
 def test_plot_written(rows, tmp_path):
