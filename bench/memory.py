@@ -1,8 +1,4 @@
-"""Peak extra memory of one call, and the process-memory helpers it needs (Linux, glibc).
-
-The helpers live here once: tests that measure memory can import them from this module
-(with bench/ on sys.path, as they import shapes.py) instead of keeping their own copies."""
-import ctypes
+"""Peak extra memory of one call on a large case: ours, the peers (readings from procmem.py)."""
 import tracemalloc
 
 import numpy as np
@@ -11,36 +7,7 @@ import bnbw_native
 
 from cases import EPSILON, make_problem
 from peers import numpy_f32_backward, torch, torch_call, torch_inputs
-
-
-def status_bytes():
-    """{"VmRSS": bytes, "VmHWM": bytes} of this process from /proc ({} elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                    if line.startswith(("VmRSS", "VmHWM"))}
-    except OSError:
-        return {}
-
-
-def release_free_heap():
-    """Return freed heap pages to the OS (glibc), so the next call's allocations show up as
-    new resident pages instead of reusing pages an earlier call left behind."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def reset_rss_peak():
-    """Reset the resident high-water mark (VmHWM) to the current RSS (Linux >= 4.0); False
-    when not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from procmem import release_free_heap, reset_rss_peak, status_bytes
 
 
 def peak_growth(call):

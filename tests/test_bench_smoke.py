@@ -21,6 +21,7 @@ import cases  # noqa: E402
 import checks  # noqa: E402
 import onednn_peer  # noqa: E402
 import peers  # noqa: E402
+import procmem  # noqa: E402
 import report  # noqa: E402
 import runner  # noqa: E402
 import shapes  # noqa: E402
@@ -178,6 +179,17 @@ def test_bandwidth_probe_patterns_run(probe):
     bufs[1][:] = 3
     probe.kernel("apply", bufs, 2)()          # c = 0.5 a + b
     assert np.all(bufs[2] == 4)
+
+
+def test_process_memory_readings():
+    before = procmem.status_bytes()
+    if "VmRSS" not in before:
+        pytest.skip("no /proc/self/status here")
+    procmem.release_free_heap()
+    assert isinstance(procmem.reset_rss_peak(), bool)
+    block = np.ones(8 << 20, np.uint8)          # 8 MiB touched
+    after = procmem.status_bytes()
+    assert after["VmHWM"] >= after["VmRSS"] > 0 and block[-1] == 1
 
 
 def test_split_times_both_phases(probe):
