@@ -127,6 +127,17 @@ def test_onednn_fused_relu_gets_its_mask_from_its_forward():
     call.close()
 
 
+def test_without_onednn_its_column_is_skipped_with_a_note(probe, monkeypatch):
+    monkeypatch.setattr(onednn_peer, "library_candidates", lambda: [])
+    monkeypatch.setattr(onednn_peer, "_loaded", None)
+    monkeypatch.setattr(onednn_peer, "why_absent", None)
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NCX"],
+                        formulas=["training"], probe=probe, **quiet)
+    assert run.onednn is None and any("oneDNN column skipped" in n for n in run.notes)
+    (row,) = run.run_shapes(TINY)
+    assert row.onednn_ms is None and row.onednn_impl is None and row.check == "pass"
+
+
 def test_results_written_as_json(rows, tmp_path):
     path = tmp_path / "out.json"
     report.write_json({"rows": [asdict(r) for r in rows]}, str(path))
