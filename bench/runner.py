@@ -408,10 +408,6 @@ class Runner:
             setattr(row, f"vs_{peer}", value / row.ours_ms if value else None)
         return row
 
-    @staticmethod
-    def within(errs, dtype_key, slack=1.0):
-        return within(errs, dtype_key, slack)
-
     def check_row(self, row, out, ref, scales, problem, dx_gaps):
         result = tuple(out) + (None,) * (3 - len(out))
         row.err = errors(result, ref, scales, problem, len(out))

@@ -96,9 +96,9 @@ def test_onednn_rows_are_checked_and_name_their_implementation(rows):
         else:
             assert row.onednn_ms > 0 and row.vs_onednn > 0
             assert max(row.onednn_err) <= checks.SEMANTICS_LIMIT
-    dense = [r for r in rows if r.layout != "strided"]
-    assert all(not r.onednn_impl.startswith(("unsupported", "error")) for r in dense
-               if r.dtype != "f16")
+    # every CPU oneDNN runs on has f32 kernels for dense tensors (halves depend on the CPU)
+    dense = [r for r in rows if r.layout != "strided" and r.dtype == "f32"]
+    assert all(not r.onednn_impl.startswith(("unsupported", "error")) for r in dense)
 
 
 @pytest.mark.skipif(ONEDNN is None, reason=f"oneDNN: {onednn_peer.why_absent}")
