@@ -21,10 +21,11 @@ from bnbw_native._engine cimport (Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, DT_
                                   itemsize)
 
 cdef enum:
-    BLOCK = 32768         # elements per reduction block
-    MIN_BLOCK_ROWS = 16   # channel-last: lower bound on rows per block (bounds partial sums)
-    MAX_LAST_BLOCKS = 32  # channel-last: upper bound on blocks (partial sums <= 512 B/channel)
-    PARTIAL_BYTES = 1 << 16   # channel-last: all blocks' sums together stay cached
+    BLOCK = 32768         # channel-major: elements per reduction block
+    LAST_BLOCK = 32768    # channel-last: elements per block, in whole multiples of 16 rows
+    BLOCK_ROWS = 16       # (the kernels' f32 blocks of halves)
+    LAST_MIN_ROWS = 128   # ... and at least this many rows: the blocks' sums (16 bytes per
+                          # channel) stay within 1/64 of x and dy (f32)
 
 BLOCK_ELEMENTS = BLOCK
 
@@ -310,13 +311,11 @@ cdef int _layout(Plan *p, int ndim, const int64_t *sizes, const unsigned char *r
         p.inner_size = C
         for t in range(N_BIG):
             p.inner_stride[t] = _operand_size(t, big_dtype, mask_dtype)
-        # rows per block: at least BLOCK elements' worth, and few enough blocks that the
-        # per-block sums (2 doubles per channel per block) stay within PARTIAL_BYTES
-        s = PARTIAL_BYTES // (16 * C)
-        s = 1 if s < 1 else (MAX_LAST_BLOCKS if s > MAX_LAST_BLOCKS else s)
-        p.block = BLOCK // C if BLOCK // C > MIN_BLOCK_ROWS else MIN_BLOCK_ROWS
-        if p.block < (M + s - 1) // s:
-            p.block = (M + s - 1) // s
+        # rows per block: about LAST_BLOCK elements, in multiples of 16 rows, LAST_MIN_ROWS at
+        # least; as many blocks as the rows make, so that any number of threads finds work
+        p.block = (LAST_BLOCK // C + BLOCK_ROWS - 1) // BLOCK_ROWS * BLOCK_ROWS
+        if p.block < LAST_MIN_ROWS:
+            p.block = LAST_MIN_ROWS
         p.nblocks = (M + p.block - 1) // p.block
     else:
         p.n_outer = nred - 1 if nred > 0 else 0

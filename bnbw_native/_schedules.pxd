@@ -9,6 +9,7 @@ cdef enum ScheduleKind:
     SCHED_MAJOR_BLOCKS = 3
     SCHED_MAJOR_SWEEP_FUSED = 4
     SCHED_MAJOR_CHANNEL_FUSED = 5
+    SCHED_LAST_FUSED = 6
 
 ctypedef struct Schedule:
     # Everything execute() needs to know beyond the plan: chosen once per call by
@@ -17,13 +18,15 @@ ctypedef struct Schedule:
     int nthreads               # threads that run the items (1: the calling thread alone)
     int sums                   # the kernels' sum mode: exact, or f32 blocks (and lane order)
     bint streaming             # x and dy outgrow a cache share: a hint for the visiting order
-    int64_t group              # channels per item (channel-last items, sweeps, fused groups)
+    int64_t group              # channels per item (channel-last slices, sweeps, fused groups)
     int64_t ngroups
     int64_t items              # work items of the first pass
     int64_t partial_stride     # doubles between two blocks' sums (whole 64-byte lines)
     int64_t partial_doubles    # scratch for the block sums
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil
+# What schedule_choose assumes of the machine (read at import; tests may set them)
+cdef int64_t cache_l2_bytes, cache_l3_bytes, cache_l3_sharers
 cdef int execute(const Plan *p, const Schedule *s, char **ptr, int op, double eps,
                  double count, double *sums_io) noexcept nogil
 

@@ -7,10 +7,16 @@ in the same order (the plan's fixed partition, each block summed by one sequenti
 block sums added in block order), so which schedule runs, and on how many threads, never
 changes a bit.
 
-    LAST_SPLIT           channel-last (NXC).  Items are (row block, channel group): a reduce
+    LAST_SPLIT           channel-last (NXC).  Items are (row block, channel slice): a reduce
                          pass writes each block's sums to its own partial arrays, the block sums
-                         are combined serially in block order, then an apply pass.  Frozen
-                         statistics write dx in the reduce pass.
+                         are combined per channel in block order (in parallel over channels),
+                         then an apply pass.  Slices are whole 128-byte lines of a row, as wide
+                         as leaves about four items per thread.  Frozen statistics write dx in
+                         the reduce pass.
+    LAST_FUSED           channel-last training whose slices of channels fit a thread's share
+                         of the cache: one item reduces a slice over every row block, finishes
+                         its channels' sums and coefficients, and applies them while the
+                         slice is still cached: x and dy are read from memory once.
     MAJOR_SWEEP          channel-major, rows no longer than a block.  Items are (block, group
                          of adjacent channels), visited in memory order: NCX rows of one n and
                          consecutive channels are adjacent, where a channel at a time would
@@ -21,7 +27,7 @@ changes a bit.
                          a block: one item reduces a group of adjacent channels in memory
                          order, finishes their sums and coefficients, and applies them while
                          their rows are still cached (the group's x and dy fit a thread's share
-                         of FUSE_BYTES).
+                         of the cache).
     MAJOR_CHANNEL_FUSED  the same with rows longer than a block, one channel per item.
 
 Every operand reaches the kernels of bnbw_kernels.h where it lies, with its own step in
@@ -47,11 +53,65 @@ cdef enum:
     TILE = 2048           # channel-major rows reach the kernels in pieces of at most this many
                           # elements; channel-last items span at most this many channels
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
-    FUSE_BYTES = 1 << 24  # fused: x and dy of the groups in flight (one per thread) share this
-    FUSE_MIN = 1 << 19    # ... but a group never gets less
+    LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
+                          # the L2 prefetchers fetch together) of each row
+    ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance under dynamic load
+    COMBINE_CHUNK = 256   # channels per parallel item of the combine
+    FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
+
+cdef extern from *:
+    """
+    #include <unistd.h>
+    /* Bytes of the level-`level` data cache (2 or 3) of one core, 0 when unknown. */
+    static long bnbw_cache_bytes(int level)
+    {
+    #if defined(_SC_LEVEL2_CACHE_SIZE) && defined(_SC_LEVEL3_CACHE_SIZE)
+        long v = sysconf(level == 2 ? _SC_LEVEL2_CACHE_SIZE : _SC_LEVEL3_CACHE_SIZE);
+        return v > 0 ? v : 0;
+    #else
+        (void)level;
+        return 0;
+    #endif
+    }
+    static long bnbw_online_cpus(void)
+    {
+    #ifdef _SC_NPROCESSORS_ONLN
+        long v = sysconf(_SC_NPROCESSORS_ONLN);
+        return v > 0 ? v : 1;
+    #else
+        return 1;
+    #endif
+    }
+    """
+    long bnbw_cache_bytes(int level) nogil
+    long bnbw_online_cpus() nogil
+
+# The machine's caches, read once (where the OS does not say: a common 1 MiB L2, 32 MiB L3);
+# the L3 is taken to be shared by every online CPU.
+cache_l2_bytes = bnbw_cache_bytes(2) or (1 << 20)
+cache_l3_bytes = bnbw_cache_bytes(3) or (32 << 20)
+cache_l3_sharers = bnbw_online_cpus()
+
+
+def cache_model():
+    """(L2 bytes per core, L3 bytes, CPUs sharing the L3) as the schedules assume them."""
+    return cache_l2_bytes, cache_l3_bytes, cache_l3_sharers
+
+
+def set_cache_model(l2, l3, sharers):
+    """Make the schedules assume other caches (tests, benchmarks); results never change."""
+    global cache_l2_bytes, cache_l3_bytes, cache_l3_sharers
+    cache_l2_bytes, cache_l3_bytes, cache_l3_sharers = l2, l3, sharers
+
+
+cdef int64_t cache_share(int nthreads) noexcept nogil:
+    """Bytes one of `nthreads` threads may keep for re-reading: half of its L2, and half of its
+    part of the L3 (shared by the online CPUs, or by the threads when there are more)."""
+    cdef int64_t sharers = cache_l3_sharers if cache_l3_sharers > nthreads else nthreads
+    return cache_l2_bytes // 2 + cache_l3_bytes // (2 * sharers)
 
 SCHEDULE_NAMES = {0: "nothing", 1: "last-split", 2: "major-sweep", 3: "major-blocks",
-                  4: "major-sweep-fused", 5: "major-channel-fused"}
+                  4: "major-sweep-fused", 5: "major-channel-fused", 6: "last-fused"}
 TILE_ELEMENTS = TILE
 
 
@@ -95,6 +155,49 @@ cdef int _sum_mode(const Plan *p, int op) noexcept nogil:
     return BNBW_BLOCKS_EVEN_ODD if p.big_dtype == DT_BF16 else BNBW_BLOCKS
 
 
+cdef bint _balanced(int64_t items, int nt) noexcept nogil:
+    """Whether `items` equal items handed out to `nt` threads keep each one busy and the
+    busiest within a quarter of the mean."""
+    return items >= nt and 4 * ((items + nt - 1) // nt) * nt <= 5 * items
+
+
+cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
+    """LAST_FUSED when training and slices of whole lines fit a thread's share of the cache,
+    at least one per thread; else LAST_SPLIT with slices leaving about ITEMS_PER_THREAD items
+    per thread.  The row blocks are the plan's: the slice width never changes a sum (each
+    channel is one lane of the kernels)."""
+    cdef int64_t C = p.channels, isz = itemsize(p.big_dtype)
+    cdef int64_t line = LINE // isz, width, fit, per_thread
+    cdef int nt = s.nthreads
+    cdef bint sums = (op & OP_REDUCE) != 0
+    s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
+    # fused: the widest slice of whole lines whose x and dy fit, with slices enough for every
+    # thread and balanced among them
+    fit = cache_share(nt) // (2 * isz * p.count) // line * line
+    width = imin(imin(fit, TILE), (C + line - 1) // line * line)
+    while sums and op & OP_DX and op & OP_TRAINING and width >= line:
+        if _balanced((C + width - 1) // width, nt):
+            s.kind = SCHED_LAST_FUSED
+            s.group = imin(width, C)
+            s.ngroups = (C + s.group - 1) // s.group
+            s.items = s.ngroups
+            return
+        width -= line
+    s.kind = SCHED_LAST_SPLIT
+    width = imin(C, TILE)
+    if nt > 1 and p.nblocks * ((C + width - 1) // width) < ITEMS_PER_THREAD * nt:
+        width = (C * p.nblocks + ITEMS_PER_THREAD * nt - 1) // (ITEMS_PER_THREAD * nt)
+        width = (width + line - 1) // line * line
+        width = imin(imin(width, C), TILE)
+        while width > line and not _balanced(p.nblocks * ((C + width - 1) // width), nt):
+            width -= line
+    s.group = width
+    s.ngroups = (C + width - 1) // width
+    s.items = p.nblocks * s.ngroups
+    if s.nthreads > s.items:
+        s.nthreads = <int> s.items if s.items > 0 else 1
+
+
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil:
     cdef int64_t C = p.channels
     cdef int64_t budget, most, g
@@ -113,34 +216,28 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         s.nthreads = 1
         return
     s.sums = _sum_mode(p, op)
-    s.streaming = 2 * itemsize(p.big_dtype) * C * p.count > 2 * FUSE_MIN
+    s.streaming = 2 * itemsize(p.big_dtype) * C * p.count > cache_l2_bytes
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
     if p.channel_last:
-        s.kind = SCHED_LAST_SPLIT
-        # channels per item: whole rows up to TILE (narrower slices of wide rows read memory
-        # in short strided pieces)
-        s.group = TILE
-        s.ngroups = (C + s.group - 1) // s.group
-        s.items = p.nblocks * s.ngroups
-        s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
-    else:
-        s.items = C * p.nblocks
+        _choose_last(p, op, s)
+        return
+    s.items = C * p.nblocks
     if s.nthreads > s.items:
         s.nthreads = <int> s.items if s.items > 0 else 1
-    if p.channel_last:
-        return
     if sums and dx and op & OP_TRAINING and C >= 2 * s.nthreads:
         if p.whole_rows:
             s.kind = SCHED_MAJOR_SWEEP_FUSED
             # channels per item: as many as keep the group's x and dy within this thread's
-            # share of FUSE_BYTES (FUSE_MIN at least), and at least two items per thread
-            budget = FUSE_BYTES // s.nthreads
+            # share of the cache (FUSE_MIN at least), and at least two items per thread
+            budget = cache_share(s.nthreads)
             if budget < FUSE_MIN:
                 budget = FUSE_MIN
             g = budget // (2 * itemsize(p.big_dtype) * p.count)
             most = (C + 2 * s.nthreads - 1) // (2 * s.nthreads)
             g = most if g > most else g
+            while g > 1 and not _balanced((C + g - 1) // g, s.nthreads):
+                g -= 1
             s.group = g if g > 0 else 1
             s.ngroups = (C + s.group - 1) // s.group
             s.items = s.ngroups
@@ -467,6 +564,34 @@ cdef void _channel_coefficients(const Work *w, int64_t c) noexcept nogil:
                  &w.k1[c], &w.k2[c], &w.k3[c], &w.dscale[c], &w.dbias[c])
 
 
+cdef void _last_fused_item(const Work *w, int64_t g) noexcept nogil:
+    """LAST_FUSED: reduce slice g over every row block, finish its channels' sums and
+    coefficients, then apply them while the slice is still cached."""
+    cdef const Plan *p = w.p
+    cdef int64_t b, c, C = p.channels
+    cdef int64_t c_lo = g * w.s.group
+    cdef int64_t c_hi = imin(C, c_lo + w.s.group)
+    cdef double *sums
+    for b in range(p.nblocks):
+        sums = block_sums(w, b)
+        last_block(w, b, g, OP_REDUCE, sums, sums + C)
+    for c in range(c_lo, c_hi):
+        _combine(w, c)
+        _channel_coefficients(w, c)
+    for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
+        last_block(w, b, g, OP_DX, NULL, NULL)
+
+
+cdef void _combine_item(const Work *w, int64_t i) noexcept nogil:
+    """Channels [i, i + 1) * COMBINE_CHUNK: sums combined, and their coefficients unless the
+    call only returns sums."""
+    cdef int64_t c
+    for c in range(i * COMBINE_CHUNK, imin(w.p.channels, (i + 1) * COMBINE_CHUNK)):
+        _combine(w, c)
+        if w.op & (OP_DX | OP_PARAMS):
+            _channel_coefficients(w, c)
+
+
 cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
     """MAJOR_SWEEP_FUSED: reduce channels [c_lo, c_hi) in memory order, finish their sums and
     coefficients, then apply them while their rows are still cached."""
@@ -498,6 +623,13 @@ cdef void _fused_channel_item(const Work *w, int64_t c) noexcept nogil:
     _channel_coefficients(w, c)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
         major_block(w, c, b, OP_DX, NULL)
+
+
+cdef void _nthreads_one_combine(const Work *w) noexcept nogil:
+    """_combine_item over every channel, on this thread."""
+    cdef int64_t i
+    for i in range((w.p.channels + COMBINE_CHUNK - 1) // COMBINE_CHUNK):
+        _combine_item(w, i)
 
 
 cdef void _pass(Work *w, int what) noexcept nogil:
@@ -584,7 +716,6 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
     cdef float *stats = NULL
     cdef double *sums = NULL
     cdef bint need_sums = op & OP_REDUCE
-    cdef bint fused = s.kind == SCHED_MAJOR_SWEEP_FUSED or s.kind == SCHED_MAJOR_CHANNEL_FUSED
     cdef bint want_coef = (op & (OP_DX | OP_PARAMS)) != 0     # a reduce-only call needs none
     cdef int first
     cdef double *partial_memory = NULL
@@ -634,6 +765,8 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
             return -1
     if s.kind == SCHED_MAJOR_SWEEP_FUSED:
         run_items(&w, _fused_group_item, s.items)
+    elif s.kind == SCHED_LAST_FUSED:
+        run_items(&w, _last_fused_item, s.items)
     elif s.kind == SCHED_MAJOR_CHANNEL_FUSED:
         run_items(&w, _fused_channel_item, s.items)
     elif s.kind != SCHED_NOTHING:
@@ -643,11 +776,12 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
         if first:
             _pass(&w, first)
         if need_sums:
-            for c in range(C):     # serial: C x nblocks additions, a tiny part of a pass
-                _combine(&w, c)
-            if want_coef:
-                for c in range(C):
-                    _channel_coefficients(&w, c)
+            # C x nblocks additions and C coefficients: in parallel over channels when they
+            # are many (each channel's sums in block order, whatever runs them)
+            if C * p.nblocks >= SERIAL_BELOW:
+                run_items(&w, _combine_item, (C + COMBINE_CHUNK - 1) // COMBINE_CHUNK)
+            else:
+                _nthreads_one_combine(&w)
         if op & OP_DX and op & OP_TRAINING:
             _pass(&w, OP_DX)
     elif want_coef and op & OP_TRAINING and need_sums:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import _call, backward_apply, backward_reduce, dml, ngraph, onednn
+from bnbw_native import _call, _schedules, backward_apply, backward_reduce, dml, ngraph, onednn
 from bnbw_native._graph import GRAPH
 from conftest import BF16
 
@@ -154,15 +154,31 @@ def describe(x, data_format, formula=_call.TRAINING, num_threads=1, **kw):
                           num_threads, **kw)
 
 
-@pytest.mark.parametrize("shape, data_format, threads, formula, schedule", [
-    ((32, 14, 14, 64), "NXC", 2, _call.TRAINING, "last-split"),
-    ((32, 64, 14, 14), "NCX", 2, _call.TRAINING, "major-sweep-fused"),
-    ((1, 4, 70000), "NCX", 2, _call.TRAINING, "major-channel-fused"),
-    ((32, 64, 14, 14), "NCX", 2, _call.FROZEN_DX, "major-sweep"),
-    ((1, 2, 70000), "NCX", 2, _call.FROZEN_DX, "major-blocks"),
-    ((0, 4, 3), "NCX", 2, _call.TRAINING, "nothing"),
+SMALL_CACHE = (1 << 20, 32 << 20, 16)    # L2, L3, CPUs sharing the L3
+LARGE_CACHE = (2 << 20, 512 << 20, 2)
+
+
+@pytest.fixture
+def cache_model():
+    """Sets the caches the schedules assume for the test, then restores the machine's."""
+    before = _schedules.cache_model()
+    yield _schedules.set_cache_model
+    _schedules.set_cache_model(*before)
+
+
+@pytest.mark.parametrize("shape, data_format, threads, formula, cache, schedule", [
+    ((32, 14, 14, 64), "NXC", 2, _call.TRAINING, SMALL_CACHE, "last-split"),
+    ((32, 14, 14, 64), "NXC", 2, _call.TRAINING, LARGE_CACHE, "last-fused"),
+    ((32, 14, 14, 64), "NXC", 2, _call.FROZEN_DX, LARGE_CACHE, "last-split"),
+    ((32, 64, 14, 14), "NCX", 2, _call.TRAINING, SMALL_CACHE, "major-sweep-fused"),
+    ((1, 4, 70000), "NCX", 2, _call.TRAINING, SMALL_CACHE, "major-channel-fused"),
+    ((32, 64, 14, 14), "NCX", 2, _call.FROZEN_DX, SMALL_CACHE, "major-sweep"),
+    ((1, 2, 70000), "NCX", 2, _call.FROZEN_DX, SMALL_CACHE, "major-blocks"),
+    ((0, 4, 3), "NCX", 2, _call.TRAINING, SMALL_CACHE, "nothing"),
 ])
-def test_describe_names_the_schedule(shape, data_format, threads, formula, schedule):
+def test_describe_names_the_schedule(cache_model, shape, data_format, threads, formula, cache,
+                                     schedule):
+    cache_model(*cache)
     facts = describe(np.zeros(shape, np.float32), data_format, formula, threads)
     assert facts["schedule"] == schedule
     assert facts["layout"] == ("empty" if 0 in shape else

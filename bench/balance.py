@@ -1,0 +1,65 @@
+"""How a call's work splits over threads, computed from the schedules (no timing).
+
+For every shape of a group (default: the ResNet-50 and MobileNet-v2 batch norms at batch 50),
+each memory layout and thread count, prints the schedule the engine picks, its work items and
+the busiest thread's share of them relative to the mean (1.00 = perfectly even; items are
+equal-sized and handed out dynamically, so the busiest thread gets ceil(items / threads)).
+The cache model is this machine's unless --l2/--l3/--sharers say otherwise.
+
+    python bench/balance.py --threads 8,16,64 [--shapes RESNET50_B50] [--l2 1M --l3 32M]
+"""
+import argparse
+
+import numpy as np
+
+import shapes
+from bnbw_native import _call, _schedules
+from bnbw_native._graph import GRAPH
+
+
+def size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].isalpha() else int(text)
+
+
+def describe(shape, data_format, threads):
+    C = shape[-1] if data_format == "NXC" else shape[1]
+    x = np.empty(shape, np.float32)
+    stat = np.ones(C, np.float32)
+    return _call.describe(GRAPH, _call.TRAINING, x, x, stat, stat, stat, 1e-5, data_format,
+                          threads)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="8,16,64")
+    parser.add_argument("--shapes", default="RESNET50_B50,MOBILENETV2_B50")
+    parser.add_argument("--l2", type=size)
+    parser.add_argument("--l3", type=size)
+    parser.add_argument("--sharers", type=int)
+    args = parser.parse_args(argv)
+    l2, l3, sharers = _schedules.cache_model()
+    _schedules.set_cache_model(args.l2 or l2, args.l3 or l3, args.sharers or sharers)
+    print("cache model: L2 %d KiB, L3 %d MiB shared by %d CPUs" % (
+        (args.l2 or l2) >> 10, (args.l3 or l3) >> 20, args.sharers or sharers))
+    threads = [int(t) for t in args.threads.split(",")]
+    print(f"{'shape':16s} {'layout':6s} " + " ".join(f"{'thr ' + str(t):>30s}" for t in threads))
+    worst = {t: 1.0 for t in threads}
+    for group in args.shapes.split(","):
+        for name, nchw in shapes.GROUPS[group].items():
+            for data_format in ("NCX", "NXC"):
+                shape = nchw if data_format == "NCX" else (nchw[0], *nchw[2:], nchw[1])
+                cells = []
+                for t in threads:
+                    facts = describe(shape, data_format, t)
+                    items, used = facts["items"], facts["threads"]
+                    share = -(-items // used) / (items / used)
+                    worst[t] = max(worst[t], share)
+                    cells.append(f"{facts['schedule']:>17s} {items:5d} {used:3d} {share:4.2f}")
+                print(f"{name:16s} {data_format:6s} " + " ".join(cells))
+    print("columns per thread count: schedule, items, threads used, busiest / mean")
+    print("worst busiest / mean: " + ", ".join(f"{t} threads {w:.2f}" for t, w in worst.items()))
+
+
+if __name__ == "__main__":
+    main()

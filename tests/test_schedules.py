@@ -1,0 +1,116 @@
+"""Which schedule runs, with how many threads and how wide a slice, never changes a bit.
+
+The schedules (bnbw_native/_schedules.pyx) choose between splitting a call into two passes and
+fusing them per slice of channels, and size slices and groups from the thread count and the
+caches of the machine.  The reduction's partition (the plan's row blocks) depends on the
+tensors only, so every choice must give the same bits: each call below runs under several
+cache models (which switch between fused and split schedules and change slice widths) and
+thread counts, more threads than this machine has cores included, and is compared with the
+one-thread split call bit for bit.  The schedules' own balance - how many items each of 8, 16
+and 64 threads gets - is checked on the network shapes of the benchmark.
+"""
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from bnbw_native import _call, _schedules, backward_apply, backward_reduce, batchnorm_training_backward
+from bnbw_native._graph import GRAPH
+from conftest import BF16
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import shapes  # noqa: E402  (the benchmark's shape lists)
+
+NO_CACHE = (1 << 10, 1 << 12, 64)          # nothing fits: split schedules everywhere
+SMALL_CACHE = (1 << 20, 32 << 20, 16)
+LARGE_CACHE = (2 << 20, 1 << 30, 2)        # everything fits: fused wherever allowed
+MODELS = [NO_CACHE, SMALL_CACHE, LARGE_CACHE]
+THREADS = [1, 2, 3, 7]                     # 7: more threads than this machine's cores
+
+DTYPES = [np.float32, np.float16] + ([BF16] if BF16 is not None else [])
+CASES = [  # shape, data_format
+    ((64, 7, 7, 96), "NXC"),               # 3136 rows of 96 channels: several row blocks
+    ((9, 11, 13, 40), "NXC"),              # odd rows and a partial line of channels
+    ((600, 300), "NXC"),                   # rank 2, slices of 300 channels
+    ((16, 48, 9, 9), "NCX"),
+    ((2, 6, 5000), "NCX"),                 # rows longer than a kernel call's piece
+]
+
+
+@pytest.fixture
+def cache_model():
+    before = _schedules.cache_model()
+    yield _schedules.set_cache_model
+    _schedules.set_cache_model(*before)
+
+
+def _bits(results):
+    return [None if r is None else np.ascontiguousarray(r).view(np.uint8).tobytes()
+            for r in results]
+
+
+def _problem(rng, shape, data_format, dtype):
+    C = shape[-1] if data_format == "NXC" else shape[1]
+    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32).astype(dtype)
+    dy = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    y = rng.standard_normal(shape) > 0
+    stats = [rng.standard_normal(C).astype(np.float32), (rng.random(C) + 0.5).astype(np.float32),
+             rng.standard_normal(C).astype(np.float32)]
+    return x, dy, y, stats
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape, data_format", CASES, ids=str)
+def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, dtype, shape,
+                                                            data_format):
+    x, dy, y, (mean, var, gamma) = _problem(rng, shape, data_format, dtype)
+
+    def run(threads):
+        fused = batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                            data_format=data_format, num_threads=threads)
+        masked = batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                             data_format=data_format, num_threads=threads,
+                                             relu_dst=y)
+        sums = backward_reduce(x, dy, mean, data_format=data_format, num_threads=threads)[0]
+        return _bits(list(fused) + list(masked) + [sums])
+
+    cache_model(*NO_CACHE)
+    want = run(1)
+    schedules = set()
+    for model in MODELS:
+        cache_model(*model)
+        for threads in THREADS:
+            assert run(threads) == want, (model, threads)
+            schedules.add(_call.describe(GRAPH, _call.TRAINING, x, dy, mean, var, gamma, 1e-5,
+                                         data_format, threads)["schedule"])
+    if data_format == "NXC":
+        assert {"last-split", "last-fused"} <= schedules      # both were compared
+
+
+def _items(shape, data_format, threads):
+    C = shape[-1] if data_format == "NXC" else shape[1]
+    x = np.empty(shape, np.float32)
+    stat = np.ones(C, np.float32)
+    return _call.describe(GRAPH, _call.TRAINING, x, x, stat, stat, stat, 1e-5, data_format,
+                          threads)
+
+
+@pytest.mark.parametrize("threads", [8, 16, 64])
+@pytest.mark.parametrize("data_format", ["NXC", "NCX"])
+def test_threads_get_balanced_work_on_network_shapes(cache_model, threads, data_format):
+    """On every batch-norm shape of ResNet-50 and MobileNet-v2 at batch 50, a training call on
+    8, 16 or 64 threads splits into items enough for every thread that has 32 K elements to
+    work on, and wherever the rows and whole lines of channels make four items per thread,
+    the items (equal-sized, handed out dynamically) split evenly enough that the busiest
+    thread does at most a quarter more than the mean."""
+    cache_model(*SMALL_CACHE)
+    for name, nchw in {**shapes.RESNET50_B50, **shapes.MOBILENETV2_B50}.items():
+        shape = nchw if data_format == "NCX" else (nchw[0], *nchw[2:], nchw[1])
+        facts = _items(shape, data_format, threads)
+        items, used = facts["items"], facts["threads"]
+        worth = min(threads, int(np.prod(shape)) // 32768)
+        assert used == min(threads, items) and items >= worth, (name, facts)
+        busiest = -(-items // used)
+        if items >= 4 * used:
+            assert busiest <= 1.25 * items / used, (name, facts)
