@@ -22,10 +22,12 @@ from bnbw_native._engine cimport (Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, DT_
 
 cdef enum:
     BLOCK = 32768         # channel-major: elements per reduction block
-    LAST_BLOCK = 32768    # channel-last: elements per block, in whole multiples of 16 rows
+    LAST_BLOCK = 131072   # channel-last: elements per block, in whole multiples of 16 rows
     BLOCK_ROWS = 16       # (the kernels' f32 blocks of halves)
     LAST_MIN_ROWS = 128   # ... and at least this many rows: the blocks' sums (16 bytes per
                           # channel) stay within 1/64 of x and dy (f32)
+    LAST_MAX_ROWS = 1024  # ... and at most this many: narrow rows still make blocks enough
+                          # for many threads
 
 BLOCK_ELEMENTS = BLOCK
 
@@ -311,11 +313,14 @@ cdef int _layout(Plan *p, int ndim, const int64_t *sizes, const unsigned char *r
         p.inner_size = C
         for t in range(N_BIG):
             p.inner_stride[t] = _operand_size(t, big_dtype, mask_dtype)
-        # rows per block: about LAST_BLOCK elements, in multiples of 16 rows, LAST_MIN_ROWS at
-        # least; as many blocks as the rows make, so that any number of threads finds work
+        # rows per block: about LAST_BLOCK elements, in multiples of 16 rows, within
+        # LAST_MIN_ROWS..LAST_MAX_ROWS; as many blocks as the rows make, so that any number of threads finds work
+        # (with channel slices: see the schedules)
         p.block = (LAST_BLOCK // C + BLOCK_ROWS - 1) // BLOCK_ROWS * BLOCK_ROWS
         if p.block < LAST_MIN_ROWS:
             p.block = LAST_MIN_ROWS
+        if p.block > LAST_MAX_ROWS:
+            p.block = LAST_MAX_ROWS
         p.nblocks = (M + p.block - 1) // p.block
     else:
         p.n_outer = nred - 1 if nred > 0 else 0

@@ -55,6 +55,9 @@ cdef enum:
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
+    FUSED_ROW = 1024      # bytes: a fused channel-last slice spans at least this much of each
+                          # row (or all of it): narrower slices of long rows, re-read row by
+                          # row a page apart, lose more to missed prefetches than they save
     ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance under dynamic load
     COMBINE_CHUNK = 256   # channels per parallel item of the combine
     FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
@@ -167,22 +170,31 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
     per thread.  The row blocks are the plan's: the slice width never changes a sum (each
     channel is one lane of the kernels)."""
     cdef int64_t C = p.channels, isz = itemsize(p.big_dtype)
-    cdef int64_t line = LINE // isz, width, fit, per_thread
+    cdef int64_t line = LINE // isz, width, fit, narrowest, k, slices
     cdef int nt = s.nthreads
     cdef bint sums = (op & OP_REDUCE) != 0
     s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
-    # fused: the widest slice of whole lines whose x and dy fit, with slices enough for every
-    # thread and balanced among them
-    fit = cache_share(nt) // (2 * isz * p.count) // line * line
-    width = imin(imin(fit, TILE), (C + line - 1) // line * line)
-    while sums and op & OP_DX and op & OP_TRAINING and width >= line:
-        if _balanced((C + width - 1) // width, nt):
+    # fused, when x and dy outgrow the threads' cache shares (otherwise both passes read from
+    # cache anyway): k slices of whole lines, k a multiple of the thread count, the fewest
+    # whose x and dy fit a share and that split evenly (the busiest thread within a quarter of
+    # the mean); none narrower than FUSED_ROW bytes of a row
+    fit = imin(cache_share(nt) // (2 * isz * p.count), TILE)
+    narrowest = imin(C, FUSED_ROW // isz)
+    k = nt
+    while (sums and op & OP_DX and op & OP_TRAINING and k <= C
+           and 2 * isz * p.count * C > nt * cache_share(nt)):
+        width = ((C + k - 1) // k + line - 1) // line * line
+        if width < narrowest:
+            break
+        slices = (C + width - 1) // width
+        if (width <= fit and slices >= nt
+                and 4 * ((slices + nt - 1) // nt) * imin(width, C) * nt <= 5 * C):
             s.kind = SCHED_LAST_FUSED
             s.group = imin(width, C)
-            s.ngroups = (C + s.group - 1) // s.group
-            s.items = s.ngroups
+            s.ngroups = slices
+            s.items = slices
             return
-        width -= line
+        k += nt
     s.kind = SCHED_LAST_SPLIT
     width = imin(C, TILE)
     if nt > 1 and p.nblocks * ((C + width - 1) // width) < ITEMS_PER_THREAD * nt:
