@@ -86,21 +86,90 @@ if _requested is not None and _requested.strip():
                       stacklevel=2)
 
 
-def show_config(file=None):
-    """Print version, compiler, OpenMP, the kernel body in use and the SIMD paths."""
-    import sysconfig
+def _build_record():
+    """What setup.py recorded when it built the extension modules, or None (a build by other
+    means)."""
+    try:
+        from ._build_info import BUILD
+    except ImportError:
+        return None
+    return dict(BUILD)
 
+
+def _facts():
     info = _call.build_info()
+    build = _build_record() or {}
     omp = info["openmp"]
-    cap = "" if _kernel_cap is None else f", capped at {_kernel_cap}"
+    return {
+        "version": __version__,
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "build": {
+            # the compiler that built the extension modules, not this interpreter's
+            "compiler": build.get("compiler") or None,
+            "compile_command": build.get("compile_command"),
+            "extension_flags": build.get("extension_flags"),
+            "python": build.get("python"),
+            "platform": build.get("platform"),
+        },
+        "openmp": {
+            "enabled": bool(omp),
+            "version": int(omp) if omp else None,
+            "note": build.get("openmp_note") or None,
+        },
+        "threads": {
+            "current": get_num_threads(),
+            "default": _call.default_threads() or None,
+        },
+        "kernels": {
+            "in_use": info["kernels"],
+            "cpu": info["cpu_kernels"],
+            "cap": _kernel_cap,
+        },
+        "half_conversion": info["half_path"],
+    }
+
+
+SHOW_CONFIG_MODES = ("stdout", "dicts")
+
+
+def show_config(file=None, *, mode="stdout"):
+    """Print version, compiler, OpenMP, the kernel body in use and the SIMD paths.
+
+    ``mode="dicts"`` returns the same facts as a dict instead of printing them (compiler and
+    flags are the build's, from the record setup.py writes; None when the package was built
+    another way).
+    """
+    if mode not in SHOW_CONFIG_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, SHOW_CONFIG_MODES))}, "
+                         f"got {mode!r}")
+    facts = _facts()
+    if mode == "dicts":
+        return facts
+    build, omp, kernels = facts["build"], facts["openmp"], facts["kernels"]
+    if build["compile_command"] is None:
+        compiler = "unknown (no build record: not built by this package's setup.py)"
+    else:
+        compiler = build["compiler"] or build["compile_command"][0]
+    if omp["enabled"]:
+        openmp = f"on, version {omp['version']}"
+    else:
+        openmp = "off (serial build" + (f": {omp['note']}" if omp["note"] else "") + ")"
+    cap = "" if kernels["cap"] is None else f", capped at {kernels['cap']}"
     lines = [
-        f"bnbw_native {__version__}",
-        f"python:           {sys.version.split()[0]}, numpy {np.__version__}",
-        f"compiler:         {sysconfig.get_config_var('CC')}",
-        f"OpenMP:           {'on, version ' + str(omp) if omp else 'off (serial build)'}",
-        f"threads:          {get_num_threads()} (default "
-        f"{_call.default_threads() or 'OpenMP'})",
-        f"kernels:          {info['kernels']} (this CPU runs up to {info['cpu_kernels']}{cap})",
-        f"half conversion:  {info['half_path']}",
+        f"bnbw_native {facts['version']}",
+        f"python:           {facts['python']}, numpy {facts['numpy']}",
+        f"compiler:         {compiler}",
+    ]
+    if build["compile_command"] is not None:
+        flags = " ".join(build["compile_command"] + build["extension_flags"])
+        lines.append(f"compile command:  {flags}")
+    lines += [
+        f"OpenMP:           {openmp}",
+        f"threads:          {facts['threads']['current']} (default "
+        f"{facts['threads']['default'] or 'OpenMP'})",
+        f"kernels:          {kernels['in_use']} (this CPU runs up to {kernels['cpu']}{cap})",
+        f"half conversion:  {facts['half_conversion']}",
     ]
     print("\n".join(lines), file=file)
+    return None

@@ -5,6 +5,7 @@ The cap is read when the package is imported, so each case starts a fresh interp
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -18,10 +19,13 @@ def _fresh(code, kernels=None):
     """stdout and stderr of `code` run by a new interpreter with BNBW_KERNELS=kernels."""
     env = dict(os.environ)
     env.pop("BNBW_KERNELS", None)
+    # the package under test, wherever it lives; not the checkout's unbuilt source tree
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(bnbw_native.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [parent, env.get("PYTHONPATH")]))
     if kernels is not None:
         env["BNBW_KERNELS"] = kernels
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, check=True)
+                          timeout=120, check=True, cwd=tempfile.gettempdir())
     return done.stdout, done.stderr
 
 
