@@ -10,9 +10,13 @@ One strided engine (Cython + OpenMP) behind thin front-ends, one per public conv
 * ``bnbw_native.half`` - f32 <-> f16 / bf16 conversion helpers
 * ``bnbw_native.reference`` - the float64 NumPy reference every result is checked against
 """
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING, Optional
 
 
-def _unbuilt_source_tree():
+def _unbuilt_source_tree() -> Optional[str]:
     """The package directory when it is a checkout whose extension modules are not built
     (typically: Python started in the checkout after `pip install .`), else None."""
     import importlib.machinery
@@ -39,6 +43,10 @@ except ImportError as exc:
 from ._graph import BackwardResult, batchnorm_training_backward
 from ._twophase import backward_apply, backward_reduce
 
+if TYPE_CHECKING:
+    # what type checkers see; at run time these load on first use (__getattr__ below)
+    from . import dml, half, ngraph, onednn, reference
+
 _SUBMODULES = ("autograd", "distributed", "dml", "half", "ngraph", "onednn", "reference")
 # The C API's module: PyCapsule_Import("bnbw_native._capi._C_API"), behind every C caller's
 # bnbw_import(), imports only "bnbw_native" and then looks "_capi" up as an attribute, so the
@@ -46,7 +54,7 @@ _SUBMODULES = ("autograd", "distributed", "dml", "half", "ngraph", "onednn", "re
 _LAZY = _SUBMODULES + ("_capi",)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> types.ModuleType:
     """Submodules load on first use, so `import bnbw_native` stays light."""
     if name in _LAZY:
         import importlib
@@ -54,7 +62,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def get_include():
+def get_include() -> str:
     """The directory holding bnbw_native.h and bnbw_half.h, for C extensions."""
     import os
     here = os.path.dirname(os.path.abspath(__file__))
