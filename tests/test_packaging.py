@@ -100,8 +100,9 @@ def _source_tree():
         done = subprocess.run([git, "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
         tracked = {n.decode() for n in done.stdout.split(b"\0") if n}
         return {n for n in tracked if (ROOT / n).is_file()} - {".gitignore"}
-    return {n for n in _sdist_files(ROOT) if not _built(n)
-            and not n.startswith(("bnbw_native.egg-info/", "build/", ".pytest_cache/"))
+    made_here = ("bnbw_native.egg-info/", "build/", "dist/", ".pytest_cache/", ".hypothesis/",
+                 ".mypy_cache/", "bench/results/", "bench/.build/")
+    return {n for n in _sdist_files(ROOT) if not _built(n) and not n.startswith(made_here)
             and n not in ("PKG-INFO", "setup.cfg")}
 
 
@@ -185,7 +186,12 @@ def test_sdist_builds_a_wheel_that_passes_the_sdists_own_tests(sdist, tmp_path):
     assert where.startswith(str(venv))
     assert built == f"{[cc, '-pipe']} True"           # the build's compiler, OpenMP on
 
-    # -I: no current directory on sys.path, as the `pytest` command runs
+    # the README's first command, then its second: -I keeps the current directory off
+    # sys.path, as the `pytest` command does
+    demo = subprocess.run([str(venv / "bin" / "bnbw-demo")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert demo.returncode == 0 and "results agree with the float64 reference" in demo.stdout
+    env.pop("CC")
     done = subprocess.run([str(py), "-I", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"],
                           cwd=tree, capture_output=True, text=True, timeout=1800, env=env)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
