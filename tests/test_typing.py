@@ -38,12 +38,18 @@ def user_python(tmp_path_factory):
     return python
 
 
-def mypy(user_python, files, cwd):
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory):
+    """One cache for every mypy run here: NumPy's stubs are analysed once."""
+    return tmp_path_factory.mktemp("mypy_cache")
+
+
+def mypy(user_python, files, cwd, cache):
     env = dict(os.environ)
     env.pop("MYPYPATH", None)
     return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-color-output",
                            "--python-executable", str(user_python),
-                           "--cache-dir", str(Path(cwd) / ".mypy_cache"), *map(str, files)],
+                           "--cache-dir", str(cache), *map(str, files)],
                           cwd=str(cwd), capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -53,13 +59,13 @@ def test_package_is_marked_typed():
         assert (PACKAGE / f"{name}.pyi").is_file(), name
 
 
-def test_mypy_strict_passes_on_the_typed_examples(user_python, tmp_path):
-    done = mypy(user_python, TYPED_EXAMPLES, tmp_path)
+def test_mypy_strict_passes_on_the_typed_examples(user_python, mypy_cache, tmp_path):
+    done = mypy(user_python, TYPED_EXAMPLES, tmp_path, mypy_cache)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Success: no issues found in 2 source files" in done.stdout
 
 
-def test_mypy_strict_catches_a_wrong_call(user_python, tmp_path):
+def test_mypy_strict_catches_a_wrong_call(user_python, mypy_cache, tmp_path):
     """The annotations say something: wrong calls are reported, results are typed."""
     script = tmp_path / "wrong.py"
     script.write_text(textwrap.dedent("""
@@ -77,7 +83,7 @@ def test_mypy_strict_catches_a_wrong_call(user_python, tmp_path):
         reveal_type(bn.show_config(mode="dicts"))
         reveal_type(bn.backward_reduce(x, x, s))
     """))
-    out = mypy(user_python, [script], tmp_path).stdout
+    out = mypy(user_python, [script], tmp_path, mypy_cache).stdout
     assert 'Argument "epsilon" to "batchnorm_training_backward" has incompatible type "str"' in out
     assert 'Argument "data_format" to "batchnorm_training_backward" has incompatible type' in out
     assert '"tuple[int, ...]" has no attribute "append"' in out
@@ -102,13 +108,13 @@ bnbw_native\\._call\\.Convention
 """
 
 
-def test_stubs_match_the_runtime(tmp_path):
+def test_stubs_match_the_runtime(mypy_cache, tmp_path):
     """mypy's stubtest: every name, signature and default in the stubs is the runtime's."""
     pytest.importorskip("mypy", reason="mypy comes with the [test] extra")
     allow = tmp_path / "allowlist.txt"
     allow.write_text(ALLOWLIST)
     config = tmp_path / "mypy.ini"
-    config.write_text(f"[mypy]\ncache_dir = {tmp_path / 'cache'}\n")
+    config.write_text(f"[mypy]\ncache_dir = {mypy_cache}\n")
     env = dict(os.environ)
     env.pop("MYPYPATH", None)
     done = subprocess.run([sys.executable, "-m", "mypy.stubtest", "--mypy-config-file",
