@@ -10,13 +10,11 @@ One strided engine (Cython + OpenMP) behind thin front-ends, one per public conv
 * ``bnbw_native.half`` - f32 <-> f16 / bf16 conversion helpers
 * ``bnbw_native.reference`` - the float64 NumPy reference every result is checked against
 """
-from __future__ import annotations
-
-import types
-from typing import TYPE_CHECKING, Optional
+import types as _types
+import typing as _typing
 
 
-def _unbuilt_source_tree() -> Optional[str]:
+def _unbuilt_source_tree() -> "str | None":
     """The package directory when it is a checkout whose extension modules are not built
     (typically: Python started in the checkout after `pip install .`), else None."""
     import importlib.machinery
@@ -43,7 +41,7 @@ except ImportError as exc:
 from ._graph import BackwardResult, batchnorm_training_backward
 from ._twophase import backward_apply, backward_reduce
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     # what type checkers see; at run time these load on first use (__getattr__ below)
     from . import dml, half, ngraph, onednn, reference
 
@@ -54,7 +52,7 @@ _SUBMODULES = ("autograd", "distributed", "dml", "half", "ngraph", "onednn", "re
 _LAZY = _SUBMODULES + ("_capi",)
 
 
-def __getattr__(name: str) -> types.ModuleType:
+def __getattr__(name: str) -> _types.ModuleType:
     """Submodules load on first use, so `import bnbw_native` stays light."""
     if name in _LAZY:
         import importlib
