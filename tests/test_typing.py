@@ -117,10 +117,14 @@ def test_stubs_match_the_runtime(mypy_cache, tmp_path):
     config.write_text(f"[mypy]\ncache_dir = {mypy_cache}\n")
     env = dict(os.environ)
     env.pop("MYPYPATH", None)
+    # the package under test on the path of both the runtime import and mypy; started outside
+    # it (from site-packages, mypy would take every module there for the user's own)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT),
+                                                      env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "mypy.stubtest", "--mypy-config-file",
                            str(config), "--allowlist", str(allow), "--ignore-unused-allowlist",
                            *(f"bnbw_native.{m}" for m in STUBBED)],
-                          cwd=str(PACKAGE_PARENT), capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 
