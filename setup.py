@@ -6,10 +6,12 @@ The extension modules are plain Cython + C.  A build-time probe and one rule dec
   ``-fopenmp`` (runtime linked dynamically, so threadpoolctl can see and limit it).  If it does
   not, the build warns and goes on serial, unless ``BNBW_REQUIRE_OPENMP=1`` asks for a hard
   failure instead.
-* No ``-march=native``: the kernels carry AVX2+FMA+F16C bodies (``target`` attributes) picked at
-  run time with ``__builtin_cpu_supports``, next to portable ones, so one wheel runs everywhere.
-  ``BNBW_NATIVE_ARCH=1`` adds the flag for local experiments only.
+* No ``-march=native``: the kernels are compiled once per instruction set (portable, AVX2,
+  AVX-512; each translation unit targets its own) and picked at run time from what the CPU and
+  the OS support, so one wheel runs everywhere.  ``BNBW_NATIVE_ARCH=1`` adds the flag for local
+  experiments only.
 """
+import glob
 import os
 import shlex
 import subprocess
@@ -149,6 +151,7 @@ def main():
             f"bnbw_native.{name}",
             sources,
             include_dirs=["include", numpy.get_include()],
+            depends=sorted(glob.glob("include/*.h")),   # rebuild when a header changes
             define_macros=macros,
             extra_compile_args=cflags,
             extra_link_args=omp + [f for f in cflags if f.startswith("-fsanitize")],
@@ -156,9 +159,14 @@ def main():
         )
 
     # plan -> schedules -> the validation layer (_call) -> the C API table (_capi); _half: the
-    # public conversion helpers
+    # public conversion helpers.  The kernels (one translation unit per instruction set, each
+    # targeting its own, plus the run-time choice between them) are linked into _schedules
+    # only, so one process has one choice of body.
+    kernel_sources = [f"bnbw_native/kernels{suffix}.c"
+                      for suffix in ("", "_portable", "_avx2", "_avx512")]
     extensions = [
-        extension(name, [f"bnbw_native/{name}.pyx"])
+        extension(name, [f"bnbw_native/{name}.pyx"]
+                  + (kernel_sources if name == "_schedules" else []))
         for name in ("_plan", "_schedules", "_call", "_capi", "_half")
     ]
 

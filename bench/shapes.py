@@ -49,15 +49,79 @@ SMALL_ODD = {
     "tiny-2d": (8, 16),                # the per-call overhead shape
 }
 
+# --- Every distinct batch norm of two published networks, at training batch 50 -------------
+# Each entry is one distinct BN input shape; the comment gives how many BN layers of the network
+# have it (LAYERS below holds the same counts as data), so a sum weighted by LAYERS is one
+# whole backward pass of the network's batch norms.  Input 224 x 224.
+
+# ResNet-50 (He et al. 2016, "Deep Residual Learning for Image Recognition", Table 1), with the
+# stride-2 of each stage's first bottleneck on its 3x3 convolution (torchvision's "v1.5"): a
+# stage's first 1x1 convolution still sees the previous stage's resolution.  53 batch norms.
+RESNET50_B50 = {
+    "r50b50-64x112": (50, 64, 112, 112),    # 1: stem
+    "r50b50-64x56": (50, 64, 56, 56),       # 6: conv2_x 1x1 and 3x3 (x3)
+    "r50b50-256x56": (50, 256, 56, 56),     # 4: conv2_x expansion (x3), projection
+    "r50b50-128x56": (50, 128, 56, 56),     # 1: conv3_1 first 1x1 (before the stride)
+    "r50b50-128x28": (50, 128, 28, 28),     # 7: conv3_1 3x3, conv3_2..4 1x1 and 3x3
+    "r50b50-512x28": (50, 512, 28, 28),     # 5: conv3_x expansion (x4), projection
+    "r50b50-256x28": (50, 256, 28, 28),     # 1: conv4_1 first 1x1
+    "r50b50-256x14": (50, 256, 14, 14),     # 11: conv4_1 3x3, conv4_2..6 1x1 and 3x3
+    "r50b50-1024x14": (50, 1024, 14, 14),   # 7: conv4_x expansion (x6), projection
+    "r50b50-512x14": (50, 512, 14, 14),     # 1: conv5_1 first 1x1
+    "r50b50-512x7": (50, 512, 7, 7),        # 5: conv5_1 3x3, conv5_2..3 1x1 and 3x3
+    "r50b50-2048x7": (50, 2048, 7, 7),      # 4: conv5_x expansion (x3), projection
+}
+
+# MobileNetV2 (Sandler et al. 2018, "MobileNetV2: Inverted Residuals and Linear Bottlenecks",
+# Table 2: t, c, n, s = 1,16,1,1 / 6,24,2,2 / 6,32,3,2 / 6,64,4,2 / 6,96,3,1 / 6,160,3,2 /
+# 6,320,1,1, a 32-channel stride-2 stem and a 1280-channel 1x1 head).  Each bottleneck has a
+# BN after its expansion (absent when t = 1), its depthwise 3x3 (which carries the stride) and
+# its projection.  52 batch norms.
+MOBILENETV2_B50 = {
+    "mnv2b50-32x112": (50, 32, 112, 112),    # 2: stem, first depthwise
+    "mnv2b50-16x112": (50, 16, 112, 112),    # 1: first projection
+    "mnv2b50-96x112": (50, 96, 112, 112),    # 1: expansion of 16 (x6)
+    "mnv2b50-96x56": (50, 96, 56, 56),       # 1: its depthwise, stride 2
+    "mnv2b50-24x56": (50, 24, 56, 56),       # 2: projections to 24
+    "mnv2b50-144x56": (50, 144, 56, 56),     # 3: expansions of 24, one depthwise
+    "mnv2b50-144x28": (50, 144, 28, 28),     # 1: depthwise, stride 2
+    "mnv2b50-32x28": (50, 32, 28, 28),       # 3: projections to 32
+    "mnv2b50-192x28": (50, 192, 28, 28),     # 5: expansions of 32, depthwise
+    "mnv2b50-192x14": (50, 192, 14, 14),     # 1: depthwise, stride 2
+    "mnv2b50-64x14": (50, 64, 14, 14),       # 4: projections to 64
+    "mnv2b50-384x14": (50, 384, 14, 14),     # 8: expansions of 64, depthwise
+    "mnv2b50-96x14": (50, 96, 14, 14),       # 3: projections to 96
+    "mnv2b50-576x14": (50, 576, 14, 14),     # 5: expansions of 96, depthwise
+    "mnv2b50-576x7": (50, 576, 7, 7),        # 1: depthwise, stride 2
+    "mnv2b50-160x7": (50, 160, 7, 7),        # 3: projections to 160
+    "mnv2b50-960x7": (50, 960, 7, 7),        # 6: expansions of 160, depthwise
+    "mnv2b50-320x7": (50, 320, 7, 7),        # 1: projection to 320
+    "mnv2b50-1280x7": (50, 1280, 7, 7),      # 1: head
+}
+
+# How many batch-norm layers of the network have each shape (the comments above, as data).
+LAYERS = {
+    **dict(zip(RESNET50_B50, (1, 6, 4, 1, 7, 5, 1, 11, 7, 1, 5, 4))),
+    **dict(zip(MOBILENETV2_B50, (2, 1, 1, 1, 2, 3, 1, 3, 5, 1, 4, 8, 3, 5, 1, 3, 6, 1, 1))),
+}
+NETWORK_LAYERS = {"RESNET50_B50": 53, "MOBILENETV2_B50": 52}
+
 GROUPS = {
     "RESNET50": RESNET50,
     "DENSE": DENSE,
     "VOLUMETRIC": VOLUMETRIC,
     "CACHE": CACHE,
     "SMALL_ODD": SMALL_ODD,
+    "RESNET50_B50": RESNET50_B50,
+    "MOBILENETV2_B50": MOBILENETV2_B50,
 }
 
 ALL = {name: shape for group in GROUPS.values() for name, shape in group.items()}
+
+# What `run.py` runs without --shapes: the groups above the networks (the whole networks are
+# asked for by name: they hold 31 shapes, mostly DRAM-sized).
+DEFAULT = {name: shape for group in ("RESNET50", "DENSE", "VOLUMETRIC", "CACHE", "SMALL_ODD")
+           for name, shape in GROUPS[group].items()}
 
 # A subset for `run.py --quick` and for smoke tests: one DRAM shape, one L3 shape, one
 # L2 shape, an odd case and the tiny one.
@@ -68,3 +132,4 @@ QUICK = {name: ALL[name] for name in
 OVERHEAD_SHAPE = SMALL_ODD["tiny-2d"]
 
 assert len(ALL) == sum(len(group) for group in GROUPS.values()), "duplicate shape names"
+assert all(sum(LAYERS[n] for n in GROUPS[g]) == total for g, total in NETWORK_LAYERS.items())

@@ -40,10 +40,11 @@ from bnbw_native._engine cimport (
     OP_EXACT_SUMS, itemsize, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
     BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES,
     BNBW_ERROR_OVERLAP, BNBW_ERROR_EPSILON, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY,
-    bnbw_omp_max_threads, bnbw_openmp_version, bnbw_body, bnbw_cpu_body, bnbw_body_name,
-    bnbw_set_body_cap, bnbw_half_simd_path)
+    bnbw_omp_max_threads, bnbw_openmp_version, bnbw_half_simd_path)
 from bnbw_native._plan cimport plan_build, plan_free
-from bnbw_native._schedules cimport Schedule, schedule_choose, execute
+from bnbw_native._schedules cimport (Schedule, schedule_choose, execute, kernel_body,
+                                     cpu_kernel_body, set_kernel_cap, kernel_body_name,
+                                     simd_converters)
 
 cnp.import_array()
 
@@ -112,16 +113,16 @@ def omp_max_threads():
 def build_info():
     return {
         "openmp": bnbw_openmp_version(),
-        "kernels": bnbw_body_name(bnbw_body()).decode(),
-        "cpu_kernels": bnbw_body_name(bnbw_cpu_body()).decode(),
-        "half_path": bnbw_half_simd_path().decode(),
+        "kernels": kernel_body_name(kernel_body()).decode(),
+        "cpu_kernels": kernel_body_name(cpu_kernel_body()).decode(),
+        "half_path": bnbw_half_simd_path(simd_converters()).decode(),
     }
 
 
 def _set_body_cap(int cap):
-    """Run the engine's kernels on the best body up to `cap` (0 portable, 1 AVX2, 2 AVX-512);
-    bnbw_native._config.use_kernels sets every module at once."""
-    bnbw_set_body_cap(cap)
+    """Run the kernels and the half converters on the best body up to `cap` (0 portable,
+    1 AVX2, 2 AVX-512): one setting for the whole process."""
+    set_kernel_cap(cap)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1162,7 +1163,6 @@ cdef dict plan_facts(const Plan *p, const Schedule *s):
                                                     "diff_residual")) if p.via_temp[t]],
         "schedule": SCHEDULE_NAMES[s.kind],
         "threads": s.nthreads,
-        "direct": bool(s.direct),
         "sums": ("exact", "blocked", "blocked-even-odd")[s.sums],
         "group": s.group,
         "items": s.items,

@@ -18,7 +18,7 @@ from typing import IO, Any, Literal, Optional, overload
 
 import numpy as np
 
-from . import _call, _half
+from . import _call
 
 __version__ = "0.1.0"
 
@@ -67,8 +67,7 @@ def use_kernels(name: Optional[str]) -> Optional[str]:
     if name is not None and name not in KERNEL_CAPS:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CAPS)} or None, got {name!r}")
     level = len(KERNEL_CAPS) - 1 if name is None else KERNEL_CAPS.index(name)
-    for module in (_call, _half):
-        module._set_body_cap(level)
+    _call._set_body_cap(level)
     previous, _kernel_cap = _kernel_cap, name
     return previous
 

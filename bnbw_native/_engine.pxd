@@ -15,45 +15,65 @@ cdef extern from "bnbw_half.h" nogil:
     float bnbw_bf16_to_f32(bnbw_bf16 h)
     bnbw_f16 bnbw_f64_to_f16(double d)
     bnbw_bf16 bnbw_f64_to_bf16(double d)
+    # row converters: simd nonzero when the kernel body in use is AVX2 or better
     void bnbw_load_f32(const char *src, int64_t stride, int64_t n, float *dst)
     void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t stride)
-    void bnbw_load_f16(const char *src, int64_t stride, int64_t n, float *dst)
-    void bnbw_load_f16_arith(const char *src, int64_t stride, int64_t n, float *dst)
-    void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t stride)
-    void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst)
-    void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride)
-    const char *bnbw_half_simd_path()
-    int bnbw_body()
+    void bnbw_load_f16(const char *src, int64_t stride, int64_t n, float *dst, int simd)
+    void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t stride, int simd)
+    void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst, int simd)
+    void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride, int simd)
+    const char *bnbw_half_simd_path(int simd)
+
+# The kernels (linked into bnbw_native._schedules only, which owns the choice of body; other
+# modules ask it).
+cdef extern from "bnbw_kernels.h" nogil:
+    enum:
+        BNBW_NO_MASK
+        BNBW_EXACT_SUMS
+        BNBW_BLOCKS
+        BNBW_BLOCKS_EVEN_ODD
+        BNBW_BLOCK_ROWS
+        BNBW_BODY_PORTABLE
+        BNBW_BODY_AVX2
+        BNBW_BODY_AVX512
+    ctypedef struct bnbw_io:
+        const void *x
+        const void *dy
+        const void *mask
+        void *dx
+        void *dres
+        int64_t x_step, dy_step, mask_step, dx_step, dres_step
+        int dt
+        int mask_dt
+    ctypedef struct bnbw_run:
+        int64_t count
+        int64_t x, dy, mask, dx, dres
+    ctypedef struct bnbw_kernel_table:
+        void (*reduce_row)(const bnbw_io *io, int64_t n, float mean, double *out,
+                           int sums) noexcept nogil
+        void (*apply_row)(const bnbw_io *io, int64_t n, float mean, float k1, float k2,
+                          float k3) noexcept nogil
+        void (*scale_row)(const bnbw_io *io, int64_t n, float k1) noexcept nogil
+        void (*reduce_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                            double *sum_g, double *sum_xg, int streaming,
+                            int sums) noexcept nogil
+        void (*apply_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                           const float *k1, const float *k2, const float *k3) noexcept nogil
+        void (*scale_rows)(const bnbw_io *io, int64_t rows, int64_t n,
+                           const float *k1) noexcept nogil
+        void (*reduce_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                               const float *mean, double *sums, int64_t sums_step,
+                               int sum_mode) noexcept nogil
+        void (*apply_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                              const float *mean, const float *k1, const float *k2,
+                              const float *k3) noexcept nogil
+        void (*scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                              const float *k1) noexcept nogil
     int bnbw_cpu_body()
+    int bnbw_body()
     void bnbw_set_body_cap(int cap)
     const char *bnbw_body_name(int body)
-
-cdef extern from "bnbw_kernels.h" nogil:
-    void bnbw_reduce_row(const void *x, const void *dy, int64_t n, float mean, double *out,
-                         int blocked, int dt)
-    void bnbw_apply_row(const void *x, const void *dy, void *dx, int64_t n, float mean,
-                        float k1, float k2, float k3, int dt)
-    void bnbw_scale_row(const void *dy, void *dx, int64_t n, float k1, int dt)
-    void bnbw_reduce_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
-                          int64_t rows, int64_t n, const float *mean, double *sum_g,
-                          double *sum_xg, int streaming, int blocked, int dt)
-    void bnbw_apply_rows(const void *x, int64_t x_row, const void *dy, int64_t dy_row,
-                         void *dx, int64_t dx_row, int64_t rows, int64_t n, const float *mean,
-                         const float *k1, const float *k2, const float *k3, int dt)
-    void bnbw_scale_rows(const void *dy, int64_t dy_row, void *dx, int64_t dx_row,
-                         int64_t rows, int64_t n, const float *k1, int dt)
-    void bnbw_reduce_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
-                             int64_t n, int64_t count, const float *mean, double *sums,
-                             int64_t sums_step, int blocked, int dt)
-    void bnbw_apply_row_run(const void *x, int64_t x_step, const void *dy, int64_t dy_step,
-                            void *dx, int64_t dx_step, int64_t n, int64_t count,
-                            const float *mean, const float *k1, const float *k2,
-                            const float *k3, int dt)
-    void bnbw_scale_row_run(const void *dy, int64_t dy_step, void *dx, int64_t dx_step,
-                            int64_t n, int64_t count, const float *k1, int dt)
-    int bnbw_kernels_take(int dt)
-    int BNBW_BLOCK_ROWS
-    int BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD
+    const bnbw_kernel_table *bnbw_kernels()
 
 cdef extern from *:
     """

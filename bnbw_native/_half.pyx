@@ -18,26 +18,25 @@ from libc.stdint cimport int64_t, uint16_t
 
 cnp.import_array()
 
-cdef extern from "bnbw_half.h" nogil:
-    void bnbw_load_f16(const char *src, int64_t src_stride, int64_t n, float *dst)
-    void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t dst_stride)
-    void bnbw_load_bf16(const char *src, int64_t src_stride, int64_t n, float *dst)
-    void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t dst_stride)
-    void bnbw_load_f32(const char *src, int64_t src_stride, int64_t n, float *dst)
-    void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t dst_stride)
-    const char *bnbw_half_simd_path()
-    void bnbw_set_body_cap(int cap)
-    ctypedef struct bnbw_f16:
-        uint16_t bits
-    ctypedef struct bnbw_bf16:
-        uint16_t bits
-    bnbw_f16 bnbw_f64_to_f16(double d)
-    bnbw_bf16 bnbw_f64_to_bf16(double d)
+from bnbw_native._engine cimport (
+    bnbw_omp_max_threads, bnbw_load_f16, bnbw_store_f16, bnbw_load_bf16, bnbw_store_bf16,
+    bnbw_load_f32, bnbw_store_f32, bnbw_half_simd_path, bnbw_f16, bnbw_bf16, bnbw_f64_to_f16,
+    bnbw_f64_to_bf16)
+from bnbw_native._schedules cimport simd_converters
 
-from bnbw_native._engine cimport bnbw_omp_max_threads
+# simd (last argument): whether the converters may use their AVX2 code (the kernel body in use)
+ctypedef void (*load_fn)(const char *, int64_t, int64_t, float *, int) noexcept nogil
+ctypedef void (*store_fn)(const float *, int64_t, char *, int64_t, int) noexcept nogil
 
-ctypedef void (*load_fn)(const char *, int64_t, int64_t, float *) noexcept nogil
-ctypedef void (*store_fn)(const float *, int64_t, char *, int64_t) noexcept nogil
+
+cdef void _load_f32(const char *src, int64_t stride, int64_t n, float *dst,
+                    int simd) noexcept nogil:
+    bnbw_load_f32(src, stride, n, dst)
+
+
+cdef void _store_f32(const float *src, int64_t n, char *dst, int64_t stride,
+                     int simd) noexcept nogil:
+    bnbw_store_f32(src, n, dst, stride)
 
 # Arrays shorter than PARALLEL_MIN run on the calling thread; longer ones go out in CHUNK-sized
 # pieces (a chunk of float32 is 128 KiB, enough to amortise the scheduling).
@@ -52,14 +51,8 @@ def _max_threads():
 
 
 def simd_path():
-    """Which conversion code this CPU runs, e.g. 'f16: F16C, bf16: AVX2' or 'portable'."""
-    return bnbw_half_simd_path().decode("ascii")
-
-
-def _set_body_cap(int cap):
-    """Route the conversions through the best body up to `cap` (0 portable, 1 AVX2, 2 AVX-512);
-    bnbw_native._config.use_kernels sets every module at once."""
-    bnbw_set_body_cap(cap)
+    """Which conversion code runs, e.g. 'f16: F16C, bf16: AVX2' or 'portable'."""
+    return bnbw_half_simd_path(simd_converters()).decode("ascii")
 
 
 cdef int _threads(object num_threads) except -1:
@@ -96,24 +89,26 @@ cdef void _load(load_fn fn, const char *src, int64_t stride, int64_t n, float *d
                 int threads) noexcept nogil:
     cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
     cdef int64_t c, start
+    cdef int simd = simd_converters()
     if n < _PARALLEL_MIN or threads == 1:
-        fn(src, stride, n, dst)
+        fn(src, stride, n, dst, simd)
         return
     for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
         start = c * CHUNK
-        fn(src + start * stride, stride, min(CHUNK, n - start), dst + start)
+        fn(src + start * stride, stride, min(CHUNK, n - start), dst + start, simd)
 
 
 cdef void _store(store_fn fn, const float *src, int64_t n, char *dst, int64_t stride,
                  int threads) noexcept nogil:
     cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
     cdef int64_t c, start
+    cdef int simd = simd_converters()
     if n < _PARALLEL_MIN or threads == 1:
-        fn(src, n, dst, stride)
+        fn(src, n, dst, stride, simd)
         return
     for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
         start = c * CHUNK
-        fn(src + start, min(CHUNK, n - start), dst + start * stride, stride)
+        fn(src + start, min(CHUNK, n - start), dst + start * stride, stride, simd)
 
 
 def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_threads=None):
@@ -125,7 +120,7 @@ def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_th
     elif kind == "bf16":
         fn = bnbw_load_bf16
     elif kind == "f32":
-        fn, itemsize = bnbw_load_f32, 4
+        fn, itemsize = _load_f32, 4
     else:
         raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
     cdef int threads = _threads(num_threads)
@@ -147,7 +142,7 @@ def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_t
     elif kind == "bf16":
         fn = bnbw_store_bf16
     elif kind == "f32":
-        fn, itemsize = bnbw_store_f32, 4
+        fn, itemsize = _store_f32, 4
     else:
         raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
     cdef int threads = _threads(num_threads)

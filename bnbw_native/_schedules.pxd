@@ -15,7 +15,6 @@ ctypedef struct Schedule:
     # schedule_choose from the plan, what the call does and the thread count.
     int kind                   # ScheduleKind
     int nthreads               # threads that run the items (1: the calling thread alone)
-    bint direct                # the kernels read and write the big tensors where they lie
     int sums                   # the kernels' sum mode: exact, or f32 blocks (and lane order)
     bint streaming             # x and dy outgrow a cache share: a hint for the visiting order
     int64_t group              # channels per item (channel-last items, sweeps, fused groups)
@@ -23,8 +22,14 @@ ctypedef struct Schedule:
     int64_t items              # work items of the first pass
     int64_t partial_stride     # doubles between two blocks' sums (whole 64-byte lines)
     int64_t partial_doubles    # scratch for the block sums
-    int64_t tile_floats        # scratch per thread for staged rows
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil
 cdef int execute(const Plan *p, const Schedule *s, char **ptr, int op, double eps,
                  double count, double *sums_io) noexcept nogil
+
+# The kernel body (bnbw_kernels.h): chosen and capped here, the one module that links them.
+cdef int kernel_body() noexcept nogil
+cdef int cpu_kernel_body() noexcept nogil
+cdef void set_kernel_cap(int cap) noexcept nogil
+cdef const char *kernel_body_name(int body) noexcept nogil
+cdef bint simd_converters() noexcept nogil

@@ -24,10 +24,10 @@ changes a bit.
                          of FUSE_BYTES).
     MAJOR_CHANNEL_FUSED  the same with rows longer than a block, one channel per item.
 
-Rows go to the kernels of bnbw_kernels.h where they lie when the kernels take their storage
-type at unit stride ("direct"); otherwise they are staged through per-thread f32 tiles of TILE
-elements, cut at the same TILE boundaries on every path so that staging never changes the
-arithmetic.
+Every operand reaches the kernels of bnbw_kernels.h where it lies, with its own step in
+elements (validation guarantees aligned elements and whole-element strides), the ReLU mask
+included.  Channel-major rows go to the kernels in pieces of at most TILE elements cut at the
+same places on every schedule, so that where a kernel call starts never changes a sum.
 """
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, calloc, free
@@ -38,15 +38,14 @@ from bnbw_native._engine cimport (
     Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, DT_F32, DT_F16, DT_BF16, DT_BOOL, OP_REDUCE, OP_GIVEN_SUMS,
     OP_TRAINING, OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_EXACT_SUMS, itemsize, imin, chan_origin,
-    row_origin, load_stat, store_stat, coefficients, bnbw_omp_thread_num,
-    bnbw_load_f32, bnbw_store_f32, bnbw_load_f16_arith, bnbw_store_f16, bnbw_load_bf16,
-    bnbw_store_bf16, bnbw_bf16, bnbw_f16, bnbw_f16_to_f32, bnbw_bf16_to_f32,
-    bnbw_reduce_row, bnbw_apply_row, bnbw_scale_row, bnbw_reduce_rows, bnbw_apply_rows,
-    bnbw_scale_rows, bnbw_reduce_row_run, bnbw_apply_row_run, bnbw_scale_row_run,
-    bnbw_kernels_take, BNBW_BLOCK_ROWS, BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD)
+    row_origin, load_stat, store_stat, coefficients, bnbw_omp_thread_num, bnbw_io, bnbw_run,
+    bnbw_kernel_table, bnbw_kernels, bnbw_body, bnbw_cpu_body, bnbw_set_body_cap,
+    bnbw_body_name, BNBW_NO_MASK, BNBW_BLOCK_ROWS, BNBW_EXACT_SUMS, BNBW_BLOCKS,
+    BNBW_BLOCKS_EVEN_ODD, BNBW_BODY_AVX2)
 
 cdef enum:
-    TILE = 2048           # elements per staged row segment (3 tiles per thread: 24 KiB)
+    TILE = 2048           # channel-major rows reach the kernels in pieces of at most this many
+                          # elements; channel-last items span at most this many channels
     SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
     FUSE_BYTES = 1 << 24  # fused: x and dy of the groups in flight (one per thread) share this
     FUSE_MIN = 1 << 19    # ... but a group never gets less
@@ -57,32 +56,40 @@ TILE_ELEMENTS = TILE
 
 
 # ---------------------------------------------------------------------------------------
-# Choosing
+# The kernel body: one choice per process, made here, where the kernels are linked
 # ---------------------------------------------------------------------------------------
 
-cdef bint _direct(const Plan *p) noexcept nogil:
-    """Whether the kernels can take the big tensors where they lie: rows of unit stride in a
-    storage type they read, (channel-last) row strides whole in elements, and no ReLU mask
-    (selected while rows are staged)."""
-    cdef int64_t isz = itemsize(p.big_dtype)
-    cdef int t
-    if p.present[S_MASK] or not bnbw_kernels_take(p.big_dtype):
-        return False
-    for t in range(3):
-        if p.inner_stride[t] != isz and p.inner_size > 1:
-            return False
-        if p.channel_last and p.n_outer == 1 and p.outer_stride[t][0] % isz != 0:
-            return False
-    return True
+cdef int kernel_body() noexcept nogil:
+    return bnbw_body()
 
+
+cdef int cpu_kernel_body() noexcept nogil:
+    return bnbw_cpu_body()
+
+
+cdef void set_kernel_cap(int cap) noexcept nogil:
+    bnbw_set_body_cap(cap)
+
+
+cdef const char *kernel_body_name(int body) noexcept nogil:
+    return bnbw_body_name(body)
+
+
+cdef bint simd_converters() noexcept nogil:
+    """Whether the row converters of bnbw_half.h may use their AVX2 code."""
+    return bnbw_body() >= BNBW_BODY_AVX2
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing
+# ---------------------------------------------------------------------------------------
 
 cdef int _sum_mode(const Plan *p, int op) noexcept nogil:
     """f16 and bf16 sums go through f32 blocks (a half's own precision is far coarser, and
     widening every term costs more than reading it), bf16 in the lane order it loads
-    cheapest - on every path, staged rows included.  A block must span the same terms on
-    every path: channel-major rows are cut alike everywhere (row_span), and channel-last slabs
-    hold whole blocks - except rows that do not share one stride, which go to the kernels one
-    at a time and so keep f64 terms."""
+    cheapest.  A block must span the same terms on every schedule: channel-major rows are cut
+    alike everywhere (row_span), and channel-last calls hold whole blocks - except rows that do
+    not share one stride, which go to the kernels one at a time and so keep f64 terms."""
     if op & OP_EXACT_SUMS or p.big_dtype == DT_F32 or (p.channel_last and p.n_outer > 1):
         return BNBW_EXACT_SUMS
     return BNBW_BLOCKS_EVEN_ODD if p.big_dtype == DT_BF16 else BNBW_BLOCKS
@@ -94,7 +101,6 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     cdef bint sums = (op & OP_REDUCE) != 0
     cdef bint dx = (op & OP_DX) != 0
     s.nthreads = nthreads if nthreads > 0 else 1
-    s.direct = False
     s.sums = BNBW_EXACT_SUMS
     s.streaming = False
     s.group = 1
@@ -102,23 +108,19 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.items = 0
     s.partial_doubles = 0
     s.partial_stride = (2 * C + 7) // 8 * 8
-    s.tile_floats = 0
     if p.empty or not (sums or dx):
         s.kind = SCHED_NOTHING
         s.nthreads = 1
         return
-    s.direct = _direct(p)
     s.sums = _sum_mode(p, op)
     s.streaming = 2 * itemsize(p.big_dtype) * C * p.count > 2 * FUSE_MIN
-    s.tile_floats = 3 * TILE
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
     if p.channel_last:
         s.kind = SCHED_LAST_SPLIT
         # channels per item: whole rows up to TILE (narrower slices of wide rows read memory
-        # in short strided pieces), except that staged halves need slabs of whole blocks of
-        # blocked sums: BNBW_BLOCK_ROWS rows per tile
-        s.group = TILE // BNBW_BLOCK_ROWS if p.big_dtype != DT_F32 and not s.direct else TILE
+        # in short strided pieces)
+        s.group = TILE
         s.ngroups = (C + s.group - 1) // s.group
         s.items = p.nblocks * s.ngroups
         s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
@@ -164,6 +166,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
 ctypedef struct Work:
     const Plan *p
     const Schedule *s
+    const bnbw_kernel_table *k
     char *x
     char *dy
     char *dx
@@ -176,128 +179,65 @@ ctypedef struct Work:
     float *k3
     int op
     int what              # this pass: OP_REDUCE and/or OP_DX
-    int kdt               # what the kernels are told the rows hold: the storage type, or f32
     double eps
     double count
     double *sums          # [C][2] channel sums
     double *dscale
     double *dbias
     double *partial       # block sums (NULL when the pass keeps none)
-    float *tiles          # 3 * TILE floats per thread
 
-ctypedef void (*ItemFn)(const Work *w, int64_t i, float *tiles) noexcept nogil
+ctypedef void (*ItemFn)(const Work *w, int64_t i) noexcept nogil
 
 
 cdef void run_items(const Work *w, ItemFn item, int64_t n) noexcept nogil:
-    """item(w, i, the running thread's tiles) for every i < n.  One thread runs them in this
-    thread: even a one-thread OpenMP region costs microseconds, more than a tiny call's work.
-    Items write disjoint outputs and never depend on the thread that runs them."""
+    """item(w, i) for every i < n.  One thread runs them in this thread: even a one-thread
+    OpenMP region costs microseconds, more than a tiny call's work.  Items write disjoint
+    outputs and never depend on the thread that runs them."""
     cdef int64_t i
     cdef int nt = w.s.nthreads
     if nt <= 1:
         for i in range(n):
-            item(w, i, w.tiles)
+            item(w, i)
     else:
         for i in prange(n, num_threads=nt, schedule='dynamic'):
-            item(w, i, w.tiles + bnbw_omp_thread_num() * 3 * TILE)
+            item(w, i)
 
 
 # ---------------------------------------------------------------------------------------
-# Staging: rows the kernels take as they are are used in place; everything else is converted
-# through a per-thread f32 tile, and the ReLU mask is applied to dy there
+# The operands of one kernel call
 # ---------------------------------------------------------------------------------------
 
-cdef inline bint _in_place(const Work *w, int64_t stride) noexcept nogil:
-    return w.s.direct or (w.p.big_dtype == DT_F32 and stride == 4 and w.mask == NULL)
+cdef inline void io_start(const Work *w, bnbw_io *io, int what) noexcept nogil:
+    """The parts of a kernel call every row shares: storage types, which operands it has."""
+    io.dt = w.p.big_dtype
+    io.mask_dt = w.p.mask_dtype if w.mask != NULL else BNBW_NO_MASK
+    io.mask = NULL
+    io.dx = NULL
+    io.dres = NULL
+    io.x_step = io.dy_step = io.mask_step = io.dx_step = io.dres_step = 1
 
 
-cdef inline void copy_row(int dtype, const char *src, int64_t stride, int64_t n,
-                          float *tile) noexcept nogil:
-    if dtype == DT_F32:
-        bnbw_load_f32(src, stride, n, tile)
-    elif dtype == DT_F16:
-        bnbw_load_f16_arith(src, stride, n, tile)
-    else:
-        bnbw_load_bf16(src, stride, n, tile)
-
-
-cdef inline bint _active(const char *m, int dtype) noexcept nogil:
-    """Whether one element of the ReLU mask lets the gradient through: a nonzero bool, or a
-    forward output > 0 (NaN is not)."""
-    cdef float f
-    cdef bnbw_f16 h
-    cdef bnbw_bf16 b
-    if dtype == DT_BOOL:
-        return m[0] != 0
-    if dtype == DT_F32:
-        memcpy(&f, m, 4)
-    elif dtype == DT_F16:
-        memcpy(&h, m, 2)
-        f = bnbw_f16_to_f32(h)
-    else:
-        memcpy(&b, m, 2)
-        f = bnbw_bf16_to_f32(b)
-    return f > 0
-
-
-cdef inline void mask_row(const Work *w, const char *m, int64_t stride, int64_t n,
-                          float *tile) noexcept nogil:
-    """g = dy where the mask is active, +0 elsewhere: selected, never multiplied."""
-    cdef int64_t i
-    for i in range(n):
-        if not _active(m + i * stride, w.p.mask_dtype):
-            tile[i] = 0.0
-
-
-cdef inline void residual_row(const Work *w, const char *g, int64_t g_stride, const char *m,
-                              int64_t m_stride, char *r, int64_t r_stride,
-                              int64_t n) noexcept nogil:
-    """The residual gradient: dy's own bits where the mask is active, +0 elsewhere."""
-    cdef int64_t i, isz = itemsize(w.p.big_dtype)
-    for i in range(n):
-        if _active(m + i * m_stride, w.p.mask_dtype):
-            memcpy(r + i * r_stride, g + i * g_stride, isz)
-        else:
-            memset(r + i * r_stride, 0, isz)
-
-
-cdef inline const char *load_x(const Work *w, const char *src, int64_t stride, int64_t n,
-                               float *tile) noexcept nogil:
-    if w.s.direct or (w.p.big_dtype == DT_F32 and stride == 4):
-        return src
-    copy_row(w.p.big_dtype, src, stride, n, tile)
-    return <const char *> tile
-
-
-cdef inline const char *load_dy(const Work *w, const char *src, int64_t stride,
-                                const char *m, int64_t m_stride, int64_t n,
-                                float *tile) noexcept nogil:
-    if _in_place(w, stride):
-        return src
-    copy_row(w.p.big_dtype, src, stride, n, tile)
+cdef inline void io_at(const Work *w, bnbw_io *io, const int64_t *off, int what) noexcept nogil:
+    """Each operand at byte offsets `off` (N_BIG of them, from the operand's base)."""
+    io.x = w.x + off[S_X]
+    io.dy = w.dy + off[S_DY]
     if w.mask != NULL:
-        mask_row(w, m, m_stride, n, tile)
-    return <const char *> tile
+        io.mask = w.mask + off[S_MASK]
+    if what & OP_DX:
+        io.dx = w.dx + off[S_DX]
+        if w.dres != NULL:
+            io.dres = w.dres + off[S_DRES]
 
 
-cdef inline char *row_target(const Work *w, char *dst, int64_t stride,
-                             float *tile) noexcept nogil:
-    if w.s.direct or (w.p.big_dtype == DT_F32 and stride == 4):
-        return dst
-    return <char *> tile
-
-
-cdef inline void store_row(const Work *w, const float *src, int64_t n, char *dst,
-                           int64_t stride) noexcept nogil:
-    """Writes back a row that row_target put in a tile."""
-    if <const char *> src == dst:
-        return
-    if w.p.big_dtype == DT_F32:
-        bnbw_store_f32(src, n, dst, stride)
-    elif w.p.big_dtype == DT_F16:
-        bnbw_store_f16(src, n, dst, stride)
-    else:
-        bnbw_store_bf16(src, n, dst, stride)
+cdef inline void io_steps(const Work *w, bnbw_io *io, const int64_t *stride) noexcept nogil:
+    """Steps in elements from byte strides (N_BIG of them)."""
+    cdef const Plan *p = w.p
+    cdef int64_t isz = itemsize(p.big_dtype)
+    io.x_step = stride[S_X] // isz
+    io.dy_step = stride[S_DY] // isz
+    io.dx_step = stride[S_DX] // isz
+    io.dres_step = stride[S_DRES] // isz
+    io.mask_step = stride[S_MASK] // itemsize(p.mask_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,55 +245,36 @@ cdef inline void store_row(const Work *w, const float *src, int64_t n, char *dst
 # ---------------------------------------------------------------------------------------
 
 cdef void row_span(const Work *w, int64_t c, const int64_t *off, int64_t col, int64_t end,
-                   int what, float *tiles, double *sums) noexcept nogil:
+                   int what, double *sums) noexcept nogil:
     """Columns [col, end) of one channel-major row (channel c, row origin `off`), cut at TILE
     boundaries counted from the row start, the same cuts for every layout and schedule."""
     cdef const Plan *p = w.p
-    cdef int64_t n, seg_end
-    cdef int64_t sx = p.inner_stride[S_X], sg = p.inner_stride[S_DY]
-    cdef int64_t sd = p.inner_stride[S_DX], sm = p.inner_stride[S_MASK]
-    cdef int64_t sr = p.inner_stride[S_DRES]
-    cdef const char *cx = w.x + chan_origin(p, S_X, c) + off[S_X]
-    cdef const char *cg = w.dy + chan_origin(p, S_DY, c) + off[S_DY]
-    cdef const char *cm = NULL
-    cdef char *cr = NULL
-    cdef char *cd = NULL
-    cdef const char *xs = NULL
-    cdef const char *gs
-    cdef char *ds
+    cdef int64_t n, seg_end, t
+    cdef int64_t at[N_BIG]
+    cdef bnbw_io io
     cdef double part[2]
     cdef float mean = w.mean[c]
-    if w.mask != NULL:
-        cm = w.mask + chan_origin(p, S_MASK, c) + off[S_MASK]
-    if what & OP_DX:
-        cd = w.dx + chan_origin(p, S_DX, c) + off[S_DX]
-        if w.dres != NULL:
-            cr = w.dres + chan_origin(p, S_DRES, c) + off[S_DRES]
+    io_start(w, &io, what)
+    io_steps(w, &io, p.inner_stride)
     while col < end:
         seg_end = imin((col // TILE + 1) * TILE, end)
         n = seg_end - col
-        gs = load_dy(w, cg + col * sg, sg, cm + col * sm if cm != NULL else NULL, sm, n,
-                     tiles + TILE)
-        if what & OP_REDUCE or (what & OP_DX and w.op & OP_TRAINING):
-            xs = load_x(w, cx + col * sx, sx, n, tiles)
+        for t in range(N_BIG):
+            at[t] = chan_origin(p, t, c) + off[t] + col * p.inner_stride[t]
+        io_at(w, &io, at, what)
         if what & OP_REDUCE:
-            bnbw_reduce_row(xs, gs, n, mean, part, w.s.sums, w.kdt)
+            w.k.reduce_row(&io, n, mean, part, w.s.sums)
             sums[0] += part[0]
             sums[1] += part[1]
         if what & OP_DX:
-            if cr != NULL:         # before dx, which may overwrite dy in place
-                residual_row(w, cg + col * sg, sg, cm + col * sm, sm, cr + col * sr, sr, n)
-            ds = row_target(w, cd + col * sd, sd, tiles + 2 * TILE)
             if w.op & OP_TRAINING:
-                bnbw_apply_row(xs, gs, ds, n, mean, w.k1[c], w.k2[c], w.k3[c], w.kdt)
+                w.k.apply_row(&io, n, mean, w.k1[c], w.k2[c], w.k3[c])
             else:
-                bnbw_scale_row(gs, ds, n, w.k1[c], w.kdt)
-            store_row(w, <const float *> ds, n, cd + col * sd, sd)
+                w.k.scale_row(&io, n, w.k1[c])
         col = seg_end
 
 
-cdef void major_block(const Work *w, int64_t c, int64_t b, int what, float *tiles,
-                      double *sums) noexcept nogil:
+cdef void major_block(const Work *w, int64_t c, int64_t b, int what, double *sums) noexcept nogil:
     """Channel c, block b: the reduced elements [b*block, +block)."""
     cdef const Plan *p = w.p
     cdef int64_t lo = b * p.block
@@ -369,27 +290,39 @@ cdef void major_block(const Work *w, int64_t c, int64_t b, int what, float *tile
     while pos < hi:
         row_origin(p, row, off)
         end = imin(L, col + hi - pos)
-        row_span(w, c, off, col, end, what, tiles, sums)
+        row_span(w, c, off, col, end, what, sums)
         pos += end - col
         row += 1
         col = 0
 
 
-cdef void sweep_block(const Work *w, int64_t b, int64_t c_lo, int64_t c_hi, int what,
-                      float *tiles) noexcept nogil:
+cdef bint _runs(const Plan *p, bint mask) noexcept nogil:
+    """Whether short rows of adjacent channels can go to the kernels as one run per outer row:
+    contiguous rows, one channel stride per operand."""
+    cdef int t
+    if p.inner_size > TILE:
+        return False
+    for t in range(N_BIG):
+        if not p.present[t] or (t == S_MASK and not mask):
+            continue
+        if p.chan_offset[t] != NULL or (
+                p.inner_size > 1 and p.inner_stride[t] != (itemsize(p.mask_dtype) if t == S_MASK
+                                                           else itemsize(p.big_dtype))):
+            return False
+    return True
+
+
+cdef void sweep_block(const Work *w, int64_t b, int64_t c_lo, int64_t c_hi, int what) noexcept nogil:
     """The whole rows of block b, each for channels c_lo..c_hi in turn (memory order for NCX).
     Channel c's block sum, block b's pair for c (block_sums), adds the same rows in the order
-    as major_block(c, b).  Rows the kernels take in place, of channels a fixed stride apart,
-    go to them as one run per outer row (row_run): the same row sums, one call instead of
-    c_hi - c_lo.  Rows longer than TILE go through row_span, which cuts them where every
-    schedule does."""
+    as major_block(c, b).  Contiguous rows of channels a fixed stride apart go to the kernels
+    as one run per outer row (row_run): the same row sums, one call instead of c_hi - c_lo."""
     cdef const Plan *p = w.p
     cdef int64_t k = p.block // p.inner_size
     cdef int64_t row, c, r_end = imin((b + 1) * k, p.count // p.inner_size)
     cdef int64_t off[N_BIG]
     cdef double *sums
-    cdef bint runs = (w.s.direct and p.inner_size <= TILE and p.chan_offset[S_X] == NULL
-                      and p.chan_offset[S_DY] == NULL and p.chan_offset[S_DX] == NULL)
+    cdef bint runs = _runs(p, w.mask != NULL)
     cdef double *block = block_sums(w, b) if what & OP_REDUCE else NULL
     if what & OP_REDUCE:
         for c in range(c_lo, c_hi):
@@ -402,138 +335,76 @@ cdef void sweep_block(const Work *w, int64_t b, int64_t c_lo, int64_t c_hi, int 
             continue
         for c in range(c_lo, c_hi):
             sums = block + 2 * c if what & OP_REDUCE else NULL
-            row_span(w, c, off, 0, p.inner_size, what, tiles, sums)
+            row_span(w, c, off, 0, p.inner_size, what, sums)
 
 
 cdef inline void row_run(const Work *w, const int64_t *off, int64_t c_lo, int64_t c_hi,
                          int what, double *sums) noexcept nogil:
-    """The whole rows (shorter than TILE) of channels c_lo..c_hi at row origin `off`, in place,
-    one kernel call per step; `sums` is channel c_lo's block sum, the next channel's 2 on.
-    Row by row it does what row_span does: reduce, then apply or scale."""
+    """The whole contiguous rows (at most TILE) of channels c_lo..c_hi at row origin `off`, one
+    kernel call per step; `sums` is channel c_lo's block sum, the next channel's 2 on.  Row by
+    row it does what row_span does: reduce, then apply or scale."""
     cdef const Plan *p = w.p
-    cdef int64_t L = p.inner_size, n = c_hi - c_lo
-    cdef int64_t sx = p.chan_stride[S_X], sg = p.chan_stride[S_DY], sd = p.chan_stride[S_DX]
-    cdef const char *x = w.x + off[S_X] + sx * c_lo
-    cdef const char *g = w.dy + off[S_DY] + sg * c_lo
-    cdef char *d = w.dx + off[S_DX] + sd * c_lo if what & OP_DX else NULL
+    cdef int64_t L = p.inner_size
+    cdef int64_t at[N_BIG]
+    cdef bnbw_io io
+    cdef bnbw_run run
+    cdef int t
+    for t in range(N_BIG):
+        at[t] = off[t] + p.chan_stride[t] * c_lo
+    io_start(w, &io, what)
+    io_at(w, &io, at, what)
+    run.count = c_hi - c_lo
+    run.x = p.chan_stride[S_X]
+    run.dy = p.chan_stride[S_DY]
+    run.mask = p.chan_stride[S_MASK]
+    run.dx = p.chan_stride[S_DX]
+    run.dres = p.chan_stride[S_DRES]
     if what & OP_REDUCE:
-        bnbw_reduce_row_run(x, sx, g, sg, L, n, w.mean + c_lo, sums, 2, w.s.sums, w.kdt)
+        w.k.reduce_row_run(&io, &run, L, w.mean + c_lo, sums, 2, w.s.sums)
     if what & OP_DX:
         if w.op & OP_TRAINING:
-            bnbw_apply_row_run(x, sx, g, sg, d, sd, L, n, w.mean + c_lo, w.k1 + c_lo,
-                               w.k2 + c_lo, w.k3 + c_lo, w.kdt)
+            w.k.apply_row_run(&io, &run, L, w.mean + c_lo, w.k1 + c_lo, w.k2 + c_lo,
+                              w.k3 + c_lo)
         else:
-            bnbw_scale_row_run(g, sg, d, sd, L, n, w.k1 + c_lo, w.kdt)
+            w.k.scale_row_run(&io, &run, L, w.k1 + c_lo)
 
 
 # ---------------------------------------------------------------------------------------
 # Channel-last items
 # ---------------------------------------------------------------------------------------
 
-cdef inline const char *stage_rows(const Work *w, int t, int64_t r0, int64_t nr, int64_t c0,
-                                   int64_t width, float *tile,
-                                   int64_t *row_stride) noexcept nogil:
-    """Rows r0..r0+nr of channels c0..c0+width of big operand t (x or dy), `row_stride`
-    elements apart: in place when direct, else gathered (converted, and dy masked) into `tile`
-    as f32."""
-    cdef const Plan *p = w.p
-    cdef int64_t off[N_BIG]
-    cdef int64_t isz = itemsize(p.big_dtype), msz = itemsize(p.mask_dtype), i
-    cdef const char *base = w.x if t == S_X else w.dy
-    row_origin(p, r0, off)
-    if w.s.direct:
-        row_stride[0] = p.outer_stride[t][0] // isz if p.n_outer == 1 else width
-        return base + off[t] + c0 * isz
-    row_stride[0] = width
-    if p.n_outer == 1 and p.outer_stride[t][0] == width * isz and not (
-            t == S_DY and w.mask != NULL):
-        return load_x(w, base + off[t] + c0 * isz, isz, nr * width, tile)     # packed
-    for i in range(nr):
-        if i:
-            row_origin(p, r0 + i, off)
-        copy_row(p.big_dtype, base + off[t] + c0 * isz, isz, width, tile + i * width)
-        if t == S_DY and w.mask != NULL:
-            mask_row(w, w.mask + off[S_MASK] + c0 * msz, msz, width, tile + i * width)
-    return <const char *> tile
-
-
-cdef inline void unstage_rows(const Work *w, int64_t r0, int64_t nr, int64_t c0, int64_t width,
-                              const float *tile) noexcept nogil:
-    cdef const Plan *p = w.p
-    cdef int64_t off[N_BIG]
-    cdef int64_t isz = itemsize(p.big_dtype), i
-    row_origin(p, r0, off)
-    if p.n_outer == 1 and p.outer_stride[S_DX][0] == width * isz:
-        store_row(w, tile, nr * width, w.dx + off[S_DX] + c0 * isz, isz)
-        return
-    for i in range(nr):
-        if i:
-            row_origin(p, r0 + i, off)
-        store_row(w, tile + i * width, width, w.dx + off[S_DX] + c0 * isz, isz)
-
-
-cdef inline void residual_rows(const Work *w, int64_t r0, int64_t nr, int64_t c0,
-                               int64_t width) noexcept nogil:
-    cdef const Plan *p = w.p
-    cdef int64_t off[N_BIG]
-    cdef int64_t isz = itemsize(p.big_dtype), msz = itemsize(p.mask_dtype), i
-    for i in range(nr):
-        row_origin(p, r0 + i, off)
-        residual_row(w, w.dy + off[S_DY] + c0 * isz, isz, w.mask + off[S_MASK] + c0 * msz, msz,
-                     w.dres + off[S_DRES] + c0 * isz, isz, width)
-
-
-cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, float *tiles,
-                     double *sum_g, double *sum_xg) noexcept nogil:
-    """Row block rb, channel group grp.  Rows go to the kernels in slabs: direct rows at one
-    stride in place (the whole block at once), anything else staged through the tiles,
-    TILE // width rows at a time.  Sums accumulate row by row, in row order, into the block's
-    own partial arrays, whatever the slab size."""
+cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *sum_g,
+                     double *sum_xg) noexcept nogil:
+    """Row block rb, channel group grp: the block's rows in one kernel call when they share
+    one stride, else one at a time.  Sums accumulate row by row, in row order, into the
+    block's own partial arrays."""
     cdef const Plan *p = w.p
     cdef int64_t c0 = grp * w.s.group
     cdef int64_t width = imin(w.s.group, p.channels - c0)
-    cdef int64_t r0 = rb * p.block, nr
+    cdef int64_t r0 = rb * p.block, nr, t
     cdef int64_t r_end = imin((rb + 1) * p.block, p.count)
-    cdef int64_t isz = itemsize(p.big_dtype)
-    cdef const char *xs = NULL
-    cdef const char *gs
-    cdef char *ds
-    cdef int64_t xr = 0, gr, dr
     cdef int64_t off[N_BIG]
+    cdef int64_t row_stride[N_BIG]
+    cdef bnbw_io io
+    io_start(w, &io, what)
+    if p.n_outer == 1:
+        for t in range(N_BIG):
+            row_stride[t] = p.outer_stride[t][0]
+        io_steps(w, &io, row_stride)
     while r0 < r_end:
-        if not w.s.direct:
-            # blocked sums: whole blocks per slab, as the direct call has them
-            nr = TILE // width
-            if w.s.sums != BNBW_EXACT_SUMS:
-                nr -= nr % BNBW_BLOCK_ROWS
-            nr = imin(nr, r_end - r0)
-        elif p.n_outer <= 1:
-            nr = r_end - r0
-        else:
-            nr = 1                 # rows that do not share one stride: one at a time
-        gs = stage_rows(w, S_DY, r0, nr, c0, width, tiles + TILE, &gr)
-        if what & OP_REDUCE or (what & OP_DX and w.op & OP_TRAINING):
-            xs = stage_rows(w, S_X, r0, nr, c0, width, tiles, &xr)
+        nr = r_end - r0 if p.n_outer <= 1 else 1
+        row_origin(p, r0, off)
+        for t in range(N_BIG):
+            off[t] += c0 * p.inner_stride[t]
+        io_at(w, &io, off, what)
         if what & OP_REDUCE:
-            bnbw_reduce_rows(xs, xr, gs, gr, nr, width, w.mean + c0, sum_g + c0, sum_xg + c0,
-                             w.s.streaming, w.s.sums, w.kdt)
+            w.k.reduce_rows(&io, nr, width, w.mean + c0, sum_g + c0, sum_xg + c0,
+                            w.s.streaming, w.s.sums)
         if what & OP_DX:
-            if w.dres != NULL:     # before dx, which may overwrite dy in place
-                residual_rows(w, r0, nr, c0, width)
-            if w.s.direct:
-                row_origin(p, r0, off)
-                ds = w.dx + off[S_DX] + c0 * isz
-                dr = p.outer_stride[S_DX][0] // isz if p.n_outer == 1 else width
-            else:
-                ds = <char *> (tiles + 2 * TILE)
-                dr = width
             if w.op & OP_TRAINING:
-                bnbw_apply_rows(xs, xr, gs, gr, ds, dr, nr, width, w.mean + c0, w.k1 + c0,
-                                w.k2 + c0, w.k3 + c0, w.kdt)
+                w.k.apply_rows(&io, nr, width, w.mean + c0, w.k1 + c0, w.k2 + c0, w.k3 + c0)
             else:
-                bnbw_scale_rows(gs, gr, ds, dr, nr, width, w.k1 + c0, w.kdt)
-            if not w.s.direct:
-                unstage_rows(w, r0, nr, c0, width, <const float *> ds)
+                w.k.scale_rows(&io, nr, width, w.k1 + c0)
         r0 += nr
 
 
@@ -548,23 +419,23 @@ cdef inline double *block_sums(const Work *w, int64_t b) noexcept nogil:
     return w.partial + b * w.s.partial_stride
 
 
-cdef void _last_item(const Work *w, int64_t i, float *tiles) noexcept nogil:
+cdef void _last_item(const Work *w, int64_t i) noexcept nogil:
     cdef const Plan *p = w.p
     cdef double *sums = NULL
     if w.what & OP_REDUCE:
         sums = block_sums(w, i // w.s.ngroups)
-    last_block(w, i // w.s.ngroups, i % w.s.ngroups, w.what, tiles, sums,
+    last_block(w, i // w.s.ngroups, i % w.s.ngroups, w.what, sums,
                sums + p.channels if sums != NULL else NULL)
 
 
-cdef void _sweep_item(const Work *w, int64_t i, float *tiles) noexcept nogil:
+cdef void _sweep_item(const Work *w, int64_t i) noexcept nogil:
     sweep_block(w, i // w.s.ngroups, (i % w.s.ngroups) * w.s.group,
-                imin(w.p.channels, (i % w.s.ngroups + 1) * w.s.group), w.what, tiles)
+                imin(w.p.channels, (i % w.s.ngroups + 1) * w.s.group), w.what)
 
 
-cdef void _major_item(const Work *w, int64_t i, float *tiles) noexcept nogil:
+cdef void _major_item(const Work *w, int64_t i) noexcept nogil:
     cdef int64_t c = i // w.p.nblocks, b = i % w.p.nblocks
-    major_block(w, c, b, w.what, tiles,
+    major_block(w, c, b, w.what,
                 block_sums(w, b) + 2 * c if w.what & OP_REDUCE else NULL)
 
 
@@ -596,7 +467,7 @@ cdef void _channel_coefficients(const Work *w, int64_t c) noexcept nogil:
                  &w.k1[c], &w.k2[c], &w.k3[c], &w.dscale[c], &w.dbias[c])
 
 
-cdef void _fused_group_item(const Work *w, int64_t g, float *tiles) noexcept nogil:
+cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
     """MAJOR_SWEEP_FUSED: reduce channels [c_lo, c_hi) in memory order, finish their sums and
     coefficients, then apply them while their rows are still cached."""
     cdef const Plan *p = w.p
@@ -604,29 +475,29 @@ cdef void _fused_group_item(const Work *w, int64_t g, float *tiles) noexcept nog
     cdef int64_t c_lo = g * w.s.group
     cdef int64_t c_hi = imin(p.channels, c_lo + w.s.group)
     for b in range(p.nblocks):
-        sweep_block(w, b, c_lo, c_hi, OP_REDUCE, tiles)
+        sweep_block(w, b, c_lo, c_hi, OP_REDUCE)
     for c in range(c_lo, c_hi):
         _combine(w, c)
         _channel_coefficients(w, c)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
-        sweep_block(w, b, c_lo, c_hi, OP_DX, tiles)
+        sweep_block(w, b, c_lo, c_hi, OP_DX)
 
 
-cdef void _fused_channel_item(const Work *w, int64_t c, float *tiles) noexcept nogil:
+cdef void _fused_channel_item(const Work *w, int64_t c) noexcept nogil:
     """MAJOR_CHANNEL_FUSED: reduce channel c, then apply it while its rows are still cached."""
     cdef const Plan *p = w.p
     cdef int64_t b
     cdef double part[2]
     cdef double acc_g = 0.0, acc_xg = 0.0
     for b in range(p.nblocks):
-        major_block(w, c, b, OP_REDUCE, tiles, part)
+        major_block(w, c, b, OP_REDUCE, part)
         acc_g = acc_g + part[0]
         acc_xg = acc_xg + part[1]
     w.sums[2 * c] = acc_g
     w.sums[2 * c + 1] = acc_xg
     _channel_coefficients(w, c)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
-        major_block(w, c, b, OP_DX, tiles, NULL)
+        major_block(w, c, b, OP_DX, NULL)
 
 
 cdef void _pass(Work *w, int what) noexcept nogil:
@@ -722,13 +593,13 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
     stats = <float *> malloc(4 * C * sizeof(float))
     sums = <double *> calloc(4 * C, sizeof(double))
     w.partial = NULL
-    w.tiles = NULL
     if stats == NULL or sums == NULL:
         free(stats)
         free(sums)
         return -1
     w.p = p
     w.s = s
+    w.k = bnbw_kernels()
     w.x = ptr[S_X]
     w.dy = ptr[S_DY]
     w.dx = ptr[S_DX]
@@ -740,7 +611,6 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
     w.k2 = stats + 2 * C
     w.k3 = stats + 3 * C
     w.op = op
-    w.kdt = p.big_dtype if s.direct else DT_F32
     w.eps = eps
     w.count = count
     w.sums = sums
@@ -755,14 +625,10 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
         for c in range(C):
             _channel_coefficients(&w, c)
 
-    if s.kind != SCHED_NOTHING:
-        w.tiles = <float *> malloc(s.nthreads * s.tile_floats * sizeof(float))
-        if s.partial_doubles:
-            partial_memory = <double *> calloc(s.partial_doubles + 8, sizeof(double))
-            w.partial = <double *> ((<size_t> partial_memory + 63) & ~(<size_t> 63))
-        if w.tiles == NULL or (s.partial_doubles and partial_memory == NULL):
-            free(w.tiles)
-            free(partial_memory)
+    if s.kind != SCHED_NOTHING and s.partial_doubles:
+        partial_memory = <double *> calloc(s.partial_doubles + 8, sizeof(double))
+        w.partial = <double *> ((<size_t> partial_memory + 63) & ~(<size_t> 63))
+        if partial_memory == NULL:
             free(stats)
             free(sums)
             return -1
@@ -794,7 +660,6 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
         for c in range(C):
             store_stat(ptr[S_DSCALE], p.stat_dtype, chan_origin(p, S_DSCALE, c), w.dscale[c])
             store_stat(ptr[S_DBIAS], p.stat_dtype, chan_origin(p, S_DBIAS, c), w.dbias[c])
-    free(w.tiles)
     free(partial_memory)
     free(stats)
     free(sums)

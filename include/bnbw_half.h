@@ -11,11 +11,10 @@
  * - The SIMD kernels must agree with the scalar functions on every input.  F16C quiets signalling
  *   NaNs in both directions, so the f16 kernels patch NaN lanes with integer ops afterwards.
  *   F16C rounding comes from the immediate (nearest-even), never from MXCSR.
- * - The fast path is picked once at run time with __builtin_cpu_supports rather than
- *   target_clones: the kernels are hand-written intrinsics (no clone of the portable loop would
- *   become F16C code), bnbw_half_simd_path() must name the path really taken, and gcc 12
- *   dispatches a target_clones("arch=haswell") clone on __builtin_cpu_is("haswell"), the CPU
- *   model, so newer AVX2 CPUs never take it.  Non-x86 or non-GNU compilers get portable code.
+ * - The row converters take `simd` from their caller: nonzero when the kernel body in use
+ *   (bnbw_kernels.h, which checks the CPU and the OS) is AVX2 or better, so one decision and
+ *   one cap (BNBW_KERNELS) govern the kernels and the converters alike.  Non-x86 or non-GNU
+ *   compilers get portable code whatever `simd` says.
  * - Everything is static: the header is compiled into more than one extension module.
  * - Row converters: the 16-bit (or strided f32) side is accessed through memcpy, so it needs no
  *   alignment and any byte stride (negative, zero, odd) works; strided rows are gathered into a
@@ -345,64 +344,18 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int6
     bnbw__store_bf16_portable(src + i, n - i, dst + 2 * i);
 }
 
-/* The kernel bodies of the package, from the most portable up; the engine's kernels
-   (bnbw_kernels.h) and these converters use the same one. */
-enum { BNBW_BODY_PORTABLE = 0, BNBW_BODY_AVX2 = 1, BNBW_BODY_AVX512 = 2 };
-
-/* The best body this CPU runs and this build has (-1: not decided yet), and the cap set by
-   BNBW_KERNELS or a test.  Relaxed atomics keep the lazy initialisation race-free when OpenMP
-   threads call the row converters first. */
-static int bnbw__cpu_body_cache = -1;
-static int bnbw__body_cap = BNBW_BODY_AVX512;
-
-static BNBW__UNUSED int bnbw_cpu_body(void)
-{
-    int body = __atomic_load_n(&bnbw__cpu_body_cache, __ATOMIC_RELAXED);
-    if (body < 0) {
-        __builtin_cpu_init();
-        body = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-               && __builtin_cpu_supports("f16c") ? BNBW_BODY_AVX2 : BNBW_BODY_PORTABLE;
-        __atomic_store_n(&bnbw__cpu_body_cache, body, __ATOMIC_RELAXED);
-    }
-    return body;
-}
-
-/* The body in use: the best one the CPU runs, at most the cap. */
-static BNBW__UNUSED int bnbw_body(void)
-{
-    int cap = __atomic_load_n(&bnbw__body_cap, __ATOMIC_RELAXED), body = bnbw_cpu_body();
-    return body < cap ? body : cap;
-}
-
-static BNBW__UNUSED void bnbw_set_body_cap(int cap)
-{
-    __atomic_store_n(&bnbw__body_cap, cap, __ATOMIC_RELAXED);
-}
-
-static BNBW__UNUSED int bnbw__half_level(void) { return bnbw_body() >= BNBW_BODY_AVX2; }
-
-#define BNBW__PICK(simd, portable) (bnbw__half_level() ? (simd) : (portable))
+#define BNBW__PICK(simd, fast, portable) ((simd) ? (fast) : (portable))
 
 #else
 
-enum { BNBW_BODY_PORTABLE = 0, BNBW_BODY_AVX2 = 1, BNBW_BODY_AVX512 = 2 };
-static BNBW__UNUSED int bnbw_cpu_body(void) { return BNBW_BODY_PORTABLE; }
-static BNBW__UNUSED int bnbw_body(void) { return BNBW_BODY_PORTABLE; }
-static BNBW__UNUSED void bnbw_set_body_cap(int cap) { (void)cap; }
-
-#define BNBW__PICK(simd, portable) (portable)
+#define BNBW__PICK(simd, fast, portable) ((void)(simd), (portable))
 
 #endif
 
-/* What show_config() and BNBW_KERNELS call the bodies. */
-static BNBW__UNUSED const char *bnbw_body_name(int body)
+/* What the row converters run when their caller allows SIMD (see bnbw_load_f16). */
+static BNBW__UNUSED const char *bnbw_half_simd_path(int simd)
 {
-    return body == BNBW_BODY_AVX512 ? "AVX-512" : body == BNBW_BODY_AVX2 ? "AVX2" : "portable";
-}
-
-static BNBW__UNUSED const char *bnbw_half_simd_path(void)
-{
-    return BNBW__PICK("f16: F16C, bf16: AVX2", "portable");
+    return BNBW__PICK(simd, "f16: F16C, bf16: AVX2", "portable");
 }
 
 /* ---------------------------------------------------------------- public row converters */
@@ -444,32 +397,36 @@ static inline void bnbw__store16(bnbw__store_kernel k, const float *src, int64_t
     }
 }
 
-static BNBW__UNUSED void bnbw_load_f16(const char *src, int64_t src_stride, int64_t n, float *dst)
+static BNBW__UNUSED void bnbw_load_f16(const char *src, int64_t src_stride, int64_t n, float *dst,
+                                       int simd)
 {
-    bnbw__load16(BNBW__PICK(bnbw__load_f16_f16c, bnbw__load_f16_portable), src, src_stride, n, dst);
+    bnbw__load16(BNBW__PICK(simd, bnbw__load_f16_f16c, bnbw__load_f16_portable), src, src_stride, n, dst);
 }
 
 /* bnbw_load_f16 for arithmetic: the same values, NaN payloads not preserved (see above). */
 static BNBW__UNUSED void bnbw_load_f16_arith(const char *src, int64_t src_stride, int64_t n,
-                                             float *dst)
+                                             float *dst, int simd)
 {
-    bnbw__load16(BNBW__PICK(bnbw__load_f16_f16c_arith, bnbw__load_f16_portable), src,
+    bnbw__load16(BNBW__PICK(simd, bnbw__load_f16_f16c_arith, bnbw__load_f16_portable), src,
                  src_stride, n, dst);
 }
 
-static BNBW__UNUSED void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t dst_stride)
+static BNBW__UNUSED void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t dst_stride,
+                                        int simd)
 {
-    bnbw__store16(BNBW__PICK(bnbw__store_f16_f16c, bnbw__store_f16_portable), src, n, dst, dst_stride);
+    bnbw__store16(BNBW__PICK(simd, bnbw__store_f16_f16c, bnbw__store_f16_portable), src, n, dst, dst_stride);
 }
 
-static BNBW__UNUSED void bnbw_load_bf16(const char *src, int64_t src_stride, int64_t n, float *dst)
+static BNBW__UNUSED void bnbw_load_bf16(const char *src, int64_t src_stride, int64_t n, float *dst,
+                                        int simd)
 {
-    bnbw__load16(BNBW__PICK(bnbw__load_bf16_avx2, bnbw__load_bf16_portable), src, src_stride, n, dst);
+    bnbw__load16(BNBW__PICK(simd, bnbw__load_bf16_avx2, bnbw__load_bf16_portable), src, src_stride, n, dst);
 }
 
-static BNBW__UNUSED void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t dst_stride)
+static BNBW__UNUSED void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t dst_stride,
+                                         int simd)
 {
-    bnbw__store16(BNBW__PICK(bnbw__store_bf16_avx2, bnbw__store_bf16_portable), src, n, dst, dst_stride);
+    bnbw__store16(BNBW__PICK(simd, bnbw__store_bf16_avx2, bnbw__store_bf16_portable), src, n, dst, dst_stride);
 }
 
 static BNBW__UNUSED void bnbw_load_f32(const char *src, int64_t src_stride, int64_t n, float *dst)

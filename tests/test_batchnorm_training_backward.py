@@ -1,4 +1,4 @@
-"""``bnbw_native.batchnorm_training_backward`` (SPEC §3.1), thread settings (§4), errors (§6).
+"""``bnbw_native.batchnorm_training_backward`` (contract §3.1), threads (§4), errors (§6).
 
 Every result is compared with the float64 reference computed from the very same (already
 rounded) inputs.  Test data have statistics computed from x and a dy with a component along the
@@ -16,13 +16,15 @@ from hypothesis import strategies as st
 
 import bnbw_native
 from bnbw_native import reference
-from conftest import BF16, LAYOUTS, assert_close, make_layout, requires_bf16
+from conftest import BF16, LAYOUTS, make_layout, requires_bf16
+from error_bounds import assert_close
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 EPSILON = 1e-3
 
 # One shape per rank; NXC reduces all but the last axis, NCX all but axis 1.  Odd sizes and
-# size-1 axes on purpose; at most ~1500 elements so M stays small (see conftest.Tolerance).
+# size-1 axes on purpose; at most ~1500 elements, well-conditioned data for assert_close
+# (error_bounds.py).
 SHAPES = {
     2: (301, 3),
     3: (7, 4, 61),
@@ -169,7 +171,7 @@ def test_num_outputs_1_ignores_gamma(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# Storage types (SPEC §2, §3.1)
+# Storage types (contract §2, §3.1)
 
 ACCEPTED_DTYPES = [
     (F32, F32),
@@ -236,7 +238,7 @@ def test_mixed_dtypes_within_a_group_are_refused(rng, argument, t):
 
 
 # ---------------------------------------------------------------------------------------------
-# Threads (SPEC §1 bit-identical results, §4)
+# Threads (contract §1 bit-identical results, §4)
 
 # Big enough to be split into several reduction blocks.
 THREAD_CASES = [
@@ -329,7 +331,7 @@ def test_set_num_threads_wins_over_openmp(default_threads):
 
 @pytest.mark.parametrize("n", [0, -1])
 def test_set_num_threads_refuses_non_positive(default_threads, n):
-    # SPEC §4 calls the parameter of set_num_threads `n`, so the message is not checked.
+    # contract §4 calls the parameter of set_num_threads `n`, so the message is not checked.
     bnbw_native.set_num_threads(2)
     with pytest.raises(ValueError):
         bnbw_native.set_num_threads(n)
@@ -380,7 +382,7 @@ def test_show_config_prints_version_and_openmp(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# Accuracy of the sums at M = 2^24 with |mean| >> std (SPEC §1)
+# Accuracy of the sums at M = 2^24 with |mean| >> std (contract §1)
 
 M_BIG = 1 << 24
 
@@ -429,7 +431,7 @@ def test_parameter_gradients_accurate_for_2_24_elements(data_format, shape, dy_k
 
 
 # ---------------------------------------------------------------------------------------------
-# out= (SPEC §3.1)
+# out= (contract §3.1)
 
 
 def make_out(case, num_outputs=3, layout="contiguous", fill=7.0):
@@ -665,7 +667,7 @@ def test_inputs_are_never_modified(rng, writeable, layout):
 
 
 # ---------------------------------------------------------------------------------------------
-# Empty tensors (SPEC §1: M = 0 gives an empty dx and zero parameter gradients)
+# Empty tensors (contract §1: M = 0 gives an empty dx and zero parameter gradients)
 
 EMPTY_CASES = [
     pytest.param((0, 4), "NXC", id="M0-nxc"),
@@ -711,7 +713,7 @@ def test_empty_batch_writes_zero_gradients_into_out(shape, data_format):
 
 
 # ---------------------------------------------------------------------------------------------
-# NaN and inf stay in their channel (SPEC §1)
+# NaN and inf stay in their channel (contract §1)
 
 
 @pytest.mark.parametrize("num_outputs", [3, 1])
@@ -764,7 +766,7 @@ def test_num_outputs_1_result_has_none_gradients(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# Errors (SPEC §6): type and message naming the argument
+# Errors (contract §6): type and message naming the argument
 
 
 def call_with(rng, **changes):
@@ -818,7 +820,7 @@ def test_num_outputs_1_still_validates_gamma(rng, gamma, error):
 @pytest.mark.parametrize("epsilon", [0.0, -1e-3, np.nan, np.inf, -np.inf, 1e-50, 1e300],
                          ids=["zero", "negative", "nan", "inf", "-inf", "underflow", "overflow"])
 def test_epsilon_bad_value_is_refused(rng, epsilon):
-    # 1e-50 is 0 as f32 and 1e300 is inf as f32 (SPEC §1: finite and > 0 after conversion).
+    # 1e-50 is 0 as f32 and 1e300 is inf as f32 (contract §1: finite and > 0 after conversion).
     with pytest.raises(ValueError, match=named("epsilon")):
         call_with(rng, epsilon=epsilon)
 

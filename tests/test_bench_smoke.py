@@ -1,47 +1,53 @@
-"""Smoke test of the benchmark machinery (bench/shapes.py, bench/run.py): one tiny shape, one
-call per measurement, every layout, dtype and formula.  No timing assertions."""
+"""Smoke test of the benchmark machinery (bench/): one tiny shape, one call per measurement,
+every layout, dtype and formula, the peers (oneDNN where installed), kernel bodies, the report
+and the command line.  No timing assertions."""
 import importlib.util
 import json
 import pathlib
 import sys
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
 
 import bnbw_native
+from bnbw_native import _config
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bandwidth  # noqa: E402
+import cases  # noqa: E402
+import checks  # noqa: E402
+import onednn_peer  # noqa: E402
+import peers  # noqa: E402
+import procmem  # noqa: E402
+import report  # noqa: E402
+import runner  # noqa: E402
 import shapes  # noqa: E402
+import timing  # noqa: E402
 
-
-def load_runner():
-    spec = importlib.util.spec_from_file_location("bnbw_bench_run", BENCH / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-run = load_runner()
 TINY = {"tiny-2d": shapes.SMALL_ODD["tiny-2d"]}
-ONE_CALL = run.Protocol(fixed_rounds=1)
+ODD = {"odd-4d": shapes.SMALL_ODD["odd-4d"]}
+ONE_CALL = timing.Protocol(fixed_rounds=1)
+ONEDNN = onednn_peer.load()
+quiet = dict(echo=lambda line: None)
 
 
 @pytest.fixture(scope="module")
 def probe():
-    return run.Probe()
+    return bandwidth.Probe()
 
 
 @pytest.fixture(scope="module")
 def rows(probe):
-    runner = run.Runner(ONE_CALL, threads=[1, 2], dtypes=list(run.DTYPES), probe=probe,
-                        echo=lambda line: None)
-    return runner.run_shapes(TINY)
+    run = runner.Runner(ONE_CALL, threads=[1, 2], dtypes=list(cases.DTYPES),
+                        formulas=cases.FORMULAS, probe=probe, **quiet)
+    return run.run_shapes(TINY)
 
 
 def test_shape_lists_are_named_and_in_ncx_order():
-    assert set(shapes.QUICK) <= set(shapes.ALL)
+    assert set(shapes.QUICK) <= set(shapes.ALL) and set(shapes.DEFAULT) <= set(shapes.ALL)
     for name, shape in shapes.ALL.items():
         assert isinstance(name, str) and 2 <= len(shape) <= 8, name
         assert all(isinstance(n, int) and n > 0 for n in shape), name
@@ -49,36 +55,115 @@ def test_shape_lists_are_named_and_in_ncx_order():
     assert shapes.OVERHEAD_SHAPE == (8, 16)
 
 
+def test_network_groups_hold_every_batch_norm_once():
+    for group, layers in shapes.NETWORK_LAYERS.items():
+        members = shapes.GROUPS[group]
+        assert len(set(members.values())) == len(members), group     # distinct shapes
+        assert all(shape[0] == 50 and len(shape) == 4 for shape in members.values()), group
+        assert sum(shapes.LAYERS[name] for name in members) == layers
+        assert cases.select_shapes(group, quick=False) == members
+    # the network groups are asked for by name; the default run keeps its shapes
+    assert not set(shapes.DEFAULT) & set(shapes.RESNET50_B50)
+
+
 def test_every_case_produces_a_checked_row(rows):
-    expected = len(run.LAYOUTS) * len(run.DTYPES) * len(run.FORMULAS) * 2
+    expected = len(cases.LAYOUTS) * len(cases.DTYPES) * len(cases.FORMULAS) * 2
     assert len(rows) == expected
     assert {(r.layout, r.dtype, r.formula, r.threads) for r in rows} == {
-        (layout, dtype, formula, threads) for layout in run.LAYOUTS for dtype in run.DTYPES
-        for formula in run.FORMULAS for threads in (1, 2)}
+        (layout, dtype, formula, threads) for layout in cases.LAYOUTS
+        for dtype in cases.DTYPES for formula in cases.FORMULAS for threads in (1, 2)}
     for row in rows:
         assert row.check == "pass"
         assert row.ours_ms > 0 and row.probe_ms > 0 and row.roofline_pct > 0
-        assert max(row.err) <= max(run.TOLERANCE[row.dtype])
+        assert max(row.err) <= max(checks.TOLERANCE[row.dtype])
         assert row.numpy_ms is not None and row.ref_ms is not None
-        assert (row.torch_ms is not None) == (run.torch is not None)
-        assert row.model_bytes == (run.PASSES[row.formula] * np.dtype(run.DTYPES[row.dtype])
-                                   .itemsize * row.elements * run.STRIDE_FACTOR[row.layout])
+        assert (row.torch_ms is not None) == (peers.torch is not None)
+        relu = row.formula in cases.RELU_FORMULAS
+        assert (row.unfused_ms is not None) == (relu and peers.torch is not None)
+        itemsize = np.dtype(cases.DTYPES[row.dtype]).itemsize
+        assert row.model_bytes == ((cases.PASSES[row.formula] * itemsize
+                                    + cases.MASK_PASSES[row.formula])
+                                   * row.elements * cases.STRIDE_FACTOR[row.layout])
+        assert row.body == _config.kernel_body() and row.body_cap is None
+
+
+@pytest.mark.skipif(ONEDNN is None, reason=f"oneDNN: {onednn_peer.why_absent}")
+def test_onednn_rows_are_checked_and_name_their_implementation(rows):
+    for row in rows:
+        assert row.onednn_impl, row
+        if row.onednn_impl.startswith("unsupported"):
+            assert row.onednn_ms is None and row.vs_onednn is None
+        else:
+            assert row.onednn_ms > 0 and row.vs_onednn > 0
+            assert max(row.onednn_err) <= checks.SEMANTICS_LIMIT
+    # every CPU oneDNN runs on has f32 kernels for dense tensors (halves depend on the CPU)
+    dense = [r for r in rows if r.layout != "strided" and r.dtype == "f32"]
+    assert all(not r.onednn_impl.startswith(("unsupported", "error")) for r in dense)
+
+
+@pytest.mark.skipif(ONEDNN is None, reason=f"oneDNN: {onednn_peer.why_absent}")
+def test_onednn_constants_match_its_headers():
+    try:
+        mismatches = onednn_peer.header_mismatches()
+    except OSError as exc:
+        pytest.skip(f"cannot compile against the oneDNN headers: {exc}")
+    assert mismatches == {}
+
+
+@pytest.mark.skipif(ONEDNN is None, reason=f"oneDNN: {onednn_peer.why_absent}")
+def test_onednn_fused_relu_gets_its_mask_from_its_forward():
+    problem = cases.make_problem("odd", ODD["odd-4d"], "f32", relu=True)
+    arrays = cases.layout_arrays(problem, "NXC")
+    C = problem["shape"][1]
+    out = (np.zeros_like(arrays["x"]), np.zeros(C, np.float32), np.zeros(C, np.float32))
+    call = ONEDNN.backward(arrays["x"], arrays["dy"], problem["mean"], problem["var"],
+                           problem["gamma"], out, epsilon=cases.EPSILON, data_format="NXC",
+                           formula="training", relu_dst=True, beta=problem["beta"])
+    call()
+    assert np.array_equal(call.relu_y > 0, arrays["mask"])
+    ref = peers.reference(arrays["x"], arrays["g"], problem["mean"], problem["var"],
+                          problem["gamma"], epsilon=cases.EPSILON, data_format="NXC")
+    assert np.allclose(out[0], ref[0], rtol=1e-4, atol=1e-5)
+    call.close()
+
+
+def test_without_onednn_its_column_is_skipped_with_a_note(probe, monkeypatch):
+    monkeypatch.setattr(onednn_peer, "library_candidates", lambda: [])
+    monkeypatch.setattr(onednn_peer, "_loaded", None)
+    monkeypatch.setattr(onednn_peer, "why_absent", None)
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NCX"],
+                        formulas=["training"], probe=probe, **quiet)
+    assert run.onednn is None and any("oneDNN column skipped" in n for n in run.notes)
+    (row,) = run.run_shapes(TINY)
+    assert row.onednn_ms is None and row.onednn_impl is None and row.check == "pass"
 
 
 def test_results_written_as_json(rows, tmp_path):
     path = tmp_path / "out.json"
-    run.write_json({"rows": [run.asdict(r) for r in rows]}, str(path))
+    report.write_json({"rows": [asdict(r) for r in rows]}, str(path))
     loaded = json.loads(path.read_text())
     assert len(loaded["rows"]) == len(rows)
-    assert {"ours_ms", "gbs", "roofline_pct", "vs_torch", "err"} <= set(loaded["rows"][0])
+    assert {"ours_ms", "gbs", "roofline_pct", "vs_torch", "vs_onednn", "onednn_impl",
+            "vs_unfused", "body", "err"} <= set(loaded["rows"][0])
+    table = report.Table(unfused=True, bodies=True)
+    assert "xonednn" in table.header and "xunfus" in table.header
     for row in rows:
-        assert row.case in run.format_row(row)
-    assert run.weak_summary(rows, run.weak_rows(rows)) is not None
+        assert row.case in table.row(row) and row.case in report.format_row(row)
+    assert report.weak_summary(rows, report.weak_rows(rows)) is not None
+
+
+def test_network_totals_weigh_each_shape_by_its_layers(rows):
+    fake = [replace(rows[0], case=name, ours_ms=1.0, torch_ms=2.0, onednn_ms=None)
+            for name in shapes.RESNET50_B50]
+    (total,) = report.network_totals(fake)
+    assert total["network"] == "RESNET50_B50" and total["ours_ms"] == 53
+    assert total["vs_torch"] == 2 and total["onednn_ms"] is None
+    assert report.network_totals(fake[1:]) == []          # a shape missing: no total
 
 
 def test_plot_written(rows, tmp_path):
     pytest.importorskip("matplotlib")
-    run.plot(rows[:6], str(tmp_path / "out.png"))
+    report.plot(rows[:8], str(tmp_path / "out.png"))
     assert (tmp_path / "out.png").stat().st_size > 0
 
 
@@ -91,15 +176,15 @@ def test_a_wrong_result_fails_loudly(probe, monkeypatch):
         return result
 
     monkeypatch.setattr(bnbw_native, "batchnorm_training_backward", off_by_a_bit)
-    runner = run.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NCX"],
-                        formulas=["training"], peers=(), probe=probe, echo=lambda line: None)
-    with pytest.raises(run.CheckFailed):
-        runner.run_shapes(TINY)
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NCX"],
+                        formulas=["training"], peers=(), probe=probe, **quiet)
+    with pytest.raises(checks.CheckFailed):
+        run.run_shapes(TINY)
 
 
 def test_bandwidth_probe_patterns_run(probe):
     bufs = probe.buffers(4096)
-    for pattern in run.PROBE_BYTES_PER_ELEMENT:
+    for pattern in bandwidth.PROBE_BYTES_PER_ELEMENT:
         probe.kernel(pattern, bufs, 1)()
     bufs[0][:] = 2
     bufs[1][:] = 3
@@ -107,15 +192,54 @@ def test_bandwidth_probe_patterns_run(probe):
     assert np.all(bufs[2] == 4)
 
 
+def test_process_memory_readings():
+    before = procmem.status_bytes()
+    if "VmRSS" not in before:
+        pytest.skip("no /proc/self/status here")
+    procmem.release_free_heap()
+    assert isinstance(procmem.reset_rss_peak(), bool)
+    block = np.ones(8 << 20, np.uint8)          # 8 MiB touched
+    after = procmem.status_bytes()
+    assert after["VmHWM"] >= after["VmRSS"] > 0 and block[-1] == 1
+
+
 def test_split_times_both_phases(probe):
-    if not hasattr(bnbw_native, "backward_reduce"):
-        pytest.skip("this build has no two-phase API")
-    runner = run.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NXC"],
-                        formulas=["training", "frozen"], peers=(), probe=probe,
-                        echo=lambda line: None, split=True)
-    training, frozen = runner.run_shapes(TINY)
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NXC"],
+                        formulas=["training", "frozen", "relu"], peers=(), probe=probe,
+                        split=True, **quiet)
+    training, frozen, relu = run.run_shapes(TINY)
     assert training.split["reduce_ms"] > 0 and training.split["apply_ms"] > 0
+    assert relu.split["reduce_ms"] > 0
     assert frozen.split is None
+
+
+def test_kernel_bodies_are_timed_side_by_side(probe):
+    caps = ["portable", "avx512"]       # avx512 falls back on CPUs (or builds) without it
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NCX"],
+                        formulas=["training"], peers=("numpy",), probe=probe, bodies=caps,
+                        **quiet)
+    first, second = run.run_shapes(ODD)
+    assert (first.body_cap, second.body_cap) == tuple(caps)
+    assert first.body == "portable" and second.body == runner.resolve_bodies(caps)["avx512"]
+    assert first.vs_first_body == 1.0 and second.vs_first_body > 0
+    assert first.numpy_ms == second.numpy_ms          # one measurement, one row per body
+    assert _config.kernel_body() == runner.resolve_bodies([None])[None]   # cap restored
+
+
+def test_command_line_quick_run(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bnbw_bench_run", BENCH / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    path = tmp_path / "r.json"
+    status = run.main(["--quick", "--threads", "1", "--shapes", "tiny-2d", "--layouts", "NXC",
+                       "--formulas", "training,relu-mask", "--json", str(path), "--plot", ""])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "xonednn" in printed and "xunfus" in printed
+    results = json.loads(path.read_text())
+    assert results["machine"]["kernel_body"] == _config.kernel_body()
+    assert len(results["rows"]) == 2
+    assert ("onednn" in results["machine"]) == (ONEDNN is not None)
 
 
 def test_half_training_table_times_every_dtype_and_layout():

@@ -3,7 +3,7 @@
 float16 and bfloat16 storage sums (x - mean) * dy and dy in short f32 blocks per lane before the
 f64 lanes take them.  These tests pin that scheme down bit for bit with an independent NumPy
 model of it, check that a block whose f32 sum overflows (or meets inf/NaN) is redone in f64 on
-both kernel bodies, that exact_sums=True widens every term, and that the blocks keep the error
+every kernel body, that exact_sums=True widens every term, and that the blocks keep the error
 within the documented ~2^-20 of the sum of |terms|.  Accuracy at M = 2^24 with a large mean is
 in test_batchnorm_training_backward.py, for every storage type.
 """
@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from bnbw_native import backward_reduce
-from conftest import BF16, kernels
+from conftest import BF16, bodies, kernels
+from error_bounds import BLOCKED_SUMS
 
 HALVES = [np.float16] + ([BF16] if BF16 is not None else [])
 LANES, RUNS, BLOCK_ROWS = 16, 16, 16    # bnbw_kernels.h: BNBW_LANES, _BLOCK_RUNS, _BLOCK_ROWS
-BOUND = (RUNS + 1) * 2.0 ** -24         # a block's roundings, relative to its sum of |terms|
+BOUND = BLOCKED_SUMS      # a block's RUNS + 1 roundings, relative to its sum of |terms|
+assert BOUND == (RUNS + 1) * 2.0 ** -24
 # BNBW_BLOCKS_EVEN_ODD (bf16): the element of a run that lane l of a block sums
 EVEN_ODD = np.r_[0:LANES:2, 1:LANES:2]
 
@@ -75,10 +77,10 @@ def _rows_model(x, dy, mean):
     return sg, sxg
 
 
-@pytest.fixture(params=[False, True], ids=["direct", "portable"])
+@pytest.fixture(params=bodies())
 def body(request):
-    """Both kernel bodies: as dispatched, and forced onto the portable f32 tiles."""
-    with kernels("portable" if request.param else None):
+    """Every kernel body the CPU runs."""
+    with kernels(request.param):
         yield request.param
 
 
@@ -94,7 +96,7 @@ def _terms(rng, shape, dtype):
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("n", [256, 1000, 2047])
 def test_channel_major_sums_are_the_documented_blocks(rng, body, dtype, n, strided):
-    """Strided rows reach the kernels as staged f32, which must block like the storage type."""
+    """Strided rows (every other element) must block like contiguous ones."""
     x, dy = _terms(rng, (1, 1, n), dtype)
     if strided:
         x, dy = (np.repeat(a, 2, axis=2)[..., ::2] for a in (x, dy))

@@ -1,4 +1,4 @@
-"""Concurrency (SPEC 4): many Python threads at once, the GIL released while kernels run, OpenMP
+"""Concurrency (contract 4): many Python threads at once, the GIL released while kernels run, OpenMP
 inside Python threads, and calls from forked children.
 
 Everything that could deadlock runs in a subprocess or behind a timeout, so a deadlock fails

@@ -19,11 +19,13 @@ def _fresh(code, kernels=None):
     """stdout and stderr of `code` run by a new interpreter with BNBW_KERNELS=kernels."""
     env = dict(os.environ)
     env.pop("BNBW_KERNELS", None)
-    # the package under test, wherever it lives; not the checkout's unbuilt source tree
-    parent = os.path.dirname(os.path.dirname(os.path.abspath(bnbw_native.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [parent, env.get("PYTHONPATH")]))
+    # the package this test process imported (installed, or built in place), from anywhere
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(bnbw_native.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
     if kernels is not None:
         env["BNBW_KERNELS"] = kernels
+    # cwd outside the checkout: there `import bnbw_native` would find the source tree, which
+    # holds no built extension after `pip install .`
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120, check=True, cwd=tempfile.gettempdir())
     return done.stdout, done.stderr

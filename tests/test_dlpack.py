@@ -9,6 +9,7 @@ import pytest
 
 import bnbw_native as bn
 from bnbw_native import _call
+from error_bounds import same_bits
 
 torch = pytest.importorskip("torch")
 
@@ -58,10 +59,6 @@ def numpy_result(x, dy, mean, var, gamma, data_format):
     return bn.batchnorm_training_backward(x.numpy().copy(), dy.numpy().copy(), mean.numpy(),
                                           var.numpy(), gamma.numpy(), epsilon=EPS,
                                           data_format=data_format)
-
-
-def same_bits(a, b):
-    return all(np.array_equal(np.asarray(p), np.asarray(q)) for p, q in zip(a, b))
 
 
 # ---- inputs ---------------------------------------------------------------------------------

@@ -727,8 +727,13 @@ def test_row_store_any_byte_stride(kind, step):
     dst_full = np.zeros(300, np.float32 if kind == "f32" else np.uint16)
     _half.store(kind, x, dst_full)
     np.testing.assert_array_equal(np.array(dst), dst_full)
+    # the unit-stride store against the library (f32: the very bits)
     if kind == "f16":
         np.testing.assert_array_equal(dst_full, bits(ref_f16(x)))
+    elif kind == "f32":
+        np.testing.assert_array_equal(bits(dst_full), bits(x))
+    elif ml_dtypes is not None:
+        np.testing.assert_array_equal(dst_full, bits(ref_bf16(x)))
 
 
 @pytest.mark.parametrize("call", [

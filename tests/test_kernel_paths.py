@@ -1,21 +1,19 @@
-"""The engine's two kernel bodies give the same bits.
+"""Every kernel body gives the same bits.
 
-On x86 with AVX2+FMA+F16C the kernels read and write f32, f16 and bf16 rows directly (halves
-converted in registers); elsewhere halves and strided rows are converted into f32 tiles for
-portable f32 kernels.  Both must compute the same thing in the same order, so every output is
-compared bit for bit with the engine forced onto the portable bodies.  The shapes put tails
-everywhere: rows that are not a multiple of 16 or 8 elements, rows longer than one staging tile
-(2048), channel counts with 8- and 16-wide runs plus leftovers of every kind (the AVX2 bodies
-take a leftover of 3 to 15 elements with masked loads and stores, of one or two one by one; their
-channel-major elementwise bf16 kernels split runs of 16 into even and odd elements); NaN
-and infinity inputs check that both paths round special values alike (NaN payloads and signs
-aside).
+The kernels are compiled once per instruction set (portable, AVX2, AVX-512) from one source;
+the portable body defines the results and every other body the CPU runs must give its bits, so
+every output is compared bit for bit across the bodies.  The shapes put tails everywhere: rows
+that are not a multiple of 16 or 8 elements, rows longer than a kernel call's piece (2048),
+channel counts with 8- and 16-wide runs plus leftovers of every kind (masked loads and stores;
+the AVX2 body's channel-major elementwise bf16 kernels split runs of 16 into even and odd
+elements); strided operands (gathers, every-other-element loads); NaN and infinity inputs check
+that the bodies round special values alike (NaN payloads and signs aside).
 """
 import numpy as np
 import pytest
 
 from bnbw_native import _call, _config, backward_apply, backward_reduce, batchnorm_training_backward, dml
-from conftest import BF16, kernels, make_layout
+from conftest import BF16, bodies, kernels, make_layout
 
 DTYPES = [np.float16, np.float32] + ([BF16] if BF16 is not None else [])
 
@@ -56,11 +54,29 @@ def _inputs(rng, shape, dtype, data_format, special):
             gamma.astype(stat))
 
 
-def _both_paths(call):
-    fast = call()
-    with kernels("portable"):
-        portable = call()
-    return fast, portable
+def _every_body(call):
+    """call() on every body the CPU runs, the portable one first."""
+    results = []
+    for body in bodies():
+        with kernels(body):
+            results.append(call())
+    return results
+
+
+def _same_on_every_body(call, compared=True):
+    """call()'s outputs (None or arrays) are the same bits on every body.  A test that only
+    compares the bodies is skipped where the CPU runs one body (it could not fail);
+    compared=False for a test that checks each result against something else too."""
+    if compared and len(bodies()) == 1:
+        pytest.skip("this CPU runs the portable body only: nothing to compare")
+    portable, *others = _every_body(call)
+    for other in others:
+        for got, want in zip(other, portable):
+            if want is None:
+                assert got is None
+                continue
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+    return portable
 
 
 def _bits(a):
@@ -76,31 +92,22 @@ def _bits(a):
 @pytest.mark.parametrize("shape,data_format", SHAPES, ids=str)
 @pytest.mark.parametrize("num_outputs", [3, 1])
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
-def test_direct_kernels_match_portable_bodies(rng, dtype, shape, data_format, num_outputs,
-                                              special):
+def test_every_body_gives_the_portable_bits(rng, dtype, shape, data_format, num_outputs,
+                                            special):
     x, dy, mean, var, gamma = _inputs(rng, shape, dtype, data_format, special)
-
-    def call():
-        return batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3,
-                                           data_format=data_format, num_outputs=num_outputs,
-                                           num_threads=2)
-
-    fast, portable = _both_paths(call)
-    for got, want in zip(fast, portable):
-        if want is None:
-            assert got is None
-            continue
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+    _same_on_every_body(lambda: batchnorm_training_backward(
+        x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format,
+        num_outputs=num_outputs, num_threads=2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("layout", ["contiguous", "sliced", "negative"])
 @pytest.mark.parametrize("shape,data_format", [((6, 21, 45), "NCX"), ((6, 7, 300), "NXC")],
                          ids=str)
-def test_in_place_and_strided_operands_match_portable_bodies(rng, dtype, layout, shape,
+def test_in_place_and_strided_operands_give_the_portable_bits(rng, dtype, layout, shape,
                                                              data_format):
-    """dx written over dy (direct kernels read and write one buffer), and strided operands
-    (staged through tiles on both paths) next to unit-stride ones."""
+    """dx written over dy (the kernels read and write one buffer), and strided operands next
+    to unit-stride ones."""
     x, dy, mean, var, gamma = _inputs(rng, shape, dtype, data_format, special=False)
     x = make_layout(x, layout)
 
@@ -114,19 +121,18 @@ def test_in_place_and_strided_operands_match_portable_bodies(rng, dtype, layout,
         np.testing.assert_array_equal(_bits(buf), _bits(dx))   # in place == out of place
         return dx, dg, db
 
-    fast, portable = _both_paths(call)
-    for got, want in zip(fast, portable):
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+    _same_on_every_body(call, compared=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("data_format", ["NCX", "NXC"])
-def test_reduction_sums_match_portable_bodies(rng, dtype, data_format):
+def test_reduction_sums_are_the_same_on_every_body(rng, dtype, data_format):
     shape = (7, 33, 290) if data_format == "NCX" else (7, 290, 33)
     x, dy, mean, _, _ = _inputs(rng, shape, dtype, data_format, special=False)
-    fast, portable = _both_paths(
+    portable, *others = _every_body(
         lambda: backward_reduce(x, dy, mean, data_format=data_format)[0])
-    np.testing.assert_array_equal(fast.view(np.uint64), portable.view(np.uint64))
+    for other in others:
+        np.testing.assert_array_equal(other.view(np.uint64), portable.view(np.uint64))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -138,11 +144,11 @@ def test_padding_of_short_rows_adds_nothing(rng, dtype, shape, data_format):
     x, _, mean, var, gamma = _inputs(rng, shape, dtype, data_format, special=False)
     dy = (np.abs(rng.standard_normal(shape)) + 0.5).astype(dtype)
     mean[0] = np.inf
-    fast, portable = _both_paths(lambda: batchnorm_training_backward(
-        x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format))
-    assert np.isneginf(float(fast[1][0])) and np.isneginf(float(portable[1][0]))
-    for got, want in zip(fast, portable):
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+    for result in _every_body(lambda: batchnorm_training_backward(
+            x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format)):
+        assert np.isneginf(float(result[1][0]))
+    _same_on_every_body(lambda: batchnorm_training_backward(
+        x, dy, mean, var, gamma, epsilon=1e-3, data_format=data_format), compared=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -169,8 +175,8 @@ def test_row_tails_write_only_their_elements(rng, dtype, shape, data_format, pad
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_long_rows_are_cut_alike_on_every_path(dtype):
-    """Rows longer than a staging tile (2048) are summed in tile-sized pieces wherever they
-    go: in place in memory order, staged from strided operands, or on the portable bodies.
+    """Rows longer than a kernel call's piece (2048) are summed in pieces of that size
+    wherever they go: contiguous or strided, on every body.
     The first row of each channel holds one large term and, past the tile boundary in the same
     lane, four terms each a quarter of its f64 ulp: a row summed whole rounds each of them away,
     summed in two pieces it keeps them.  So a path that cut rows elsewhere would change the f64
@@ -186,24 +192,14 @@ def test_long_rows_are_cut_alike_on_every_path(dtype):
         return backward_reduce(make_layout(x, layout), make_layout(dy, layout), mean,
                                data_format="NCX", num_threads=2)[0].view(np.uint64)
 
-    want = sums("sliced")                      # staged through tiles: cut at every tile
-    for got in _both_paths(lambda: sums("contiguous")):
+    want = sums("sliced")                      # strided rows
+    for got in _every_body(lambda: sums("contiguous")):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [np.float16] + ([BF16] if BF16 is not None else []),
-                         ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
-@pytest.mark.parametrize("kernel", ["scale", "apply"])
-def test_every_half_pattern_is_rounded_as_numpy_rounds(dtype, data_format, kernel):
-    """dx = 1.5 * dy for all 65,536 dy patterns, stored by the kernels (the AVX2 bodies round
-    bf16 from even and odd lanes apart).  The f32 product is exact and lands exactly halfway
-    between two halves for thousands of patterns: ties to even, overflow, subnormals,
-    infinities and NaNs all meet the rounding, checked against NumPy/ml_dtypes.  Frozen
-    statistics (DirectML's GRAD) take the scale kernel; zero sums given to backward_apply make
-    the training formula's apply kernel compute the same product."""
-    dy = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
-    dy = dy.reshape((4, 2, 8192) if data_format == "NCX" else (4, 1024, 16))
+def _times_one_and_a_half(dy, dtype, data_format, kernel):
+    """1.5 * dy as the kernels store it: by the scale kernel (DirectML's frozen GRAD) or the
+    apply kernel (zero sums given to backward_apply)."""
     C = 2 if data_format == "NCX" else 16
     x = np.zeros_like(dy)                      # x - mean = 0
     var, eps = 0.75, 0.25                      # var + eps = 1: k1 = scale = 1.5 exactly
@@ -221,18 +217,41 @@ def test_every_half_pattern_is_rounded_as_numpy_rounds(dtype, data_format, kerne
         stat = np.ones(C, np.float32)
         dx = backward_apply(x, dy, stat * 0, stat * var, stat * 1.5, np.zeros((2, C)), dy.size // C,
                             epsilon=eps, data_format=data_format)[0]
+    return dx
+
+
+@pytest.mark.parametrize("dtype", [np.float16] + ([BF16] if BF16 is not None else []),
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
+@pytest.mark.parametrize("kernel", ["scale", "apply"])
+@pytest.mark.parametrize("body", bodies())
+def test_every_half_pattern_is_rounded_as_numpy_rounds(dtype, data_format, kernel, body):
+    """dx = 1.5 * dy for all 65,536 dy patterns, stored by the kernels (the AVX2 bodies round
+    bf16 from even and odd lanes apart).  The f32 product is exact and lands exactly halfway
+    between two halves for thousands of patterns: ties to even, overflow, subnormals,
+    infinities and NaNs all meet the rounding, checked against NumPy/ml_dtypes.  Frozen
+    statistics (DirectML's GRAD) take the scale kernel; zero sums given to backward_apply make
+    the training formula's apply kernel compute the same product."""
+    dy = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    dy = dy.reshape((4, 2, 8192) if data_format == "NCX" else (4, 1024, 16))
+    with kernels(body):
+        dx = _times_one_and_a_half(dy, dtype, data_format, kernel)
     with np.errstate(over="ignore", invalid="ignore"):
         want = (np.float32(1.5) * dy.astype(np.float32)).astype(dtype)
     same_zero = lambda a: np.where(a == 0, np.zeros_like(a), a)   # the sign of 0 * 0 terms
     np.testing.assert_array_equal(_bits(same_zero(dx)), _bits(same_zero(want)))
 
 
-def test_forcing_the_portable_bodies_is_visible():
-    """The comparison above means something only if the switch changes the path taken."""
+@pytest.mark.parametrize("body", bodies())
+def test_forcing_a_body_is_visible(body):
+    """The comparisons above mean something only if the cap changes the body the kernels run:
+    the kernels of every body the CPU runs are linked into one module, which holds the only
+    cap of the process."""
     before = _config.kernel_body()
-    with kernels("portable"):
-        assert _config.kernel_body() == "portable"
-        assert _call.build_info()["half_path"] == "portable"
+    with kernels(body):
+        assert _config.kernel_body() == {"portable": "portable", "avx2": "AVX2",
+                                         "avx512": "AVX-512"}[body]
+        assert (_call.build_info()["half_path"] == "portable") == (body == "portable")
     assert _config.kernel_body() == before
 
 

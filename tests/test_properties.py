@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis): every convention, dtype and memory layout against the float64
-reference, and bit-identical for every thread count (SPEC 1, 3, 4, 7).
+reference, and bit-identical for every thread count (contract 1, 3, 4, 7).
 
 Shapes: rank 1 to 8 (2 to 8 for the oneDNN-style fronts), sizes 1 and primes, now and then one
 large prime dim so that the work is split across threads and into several reduction blocks.
@@ -10,7 +10,8 @@ whose gaps must stay untouched.  Each example runs twice with two random thread 
 give the same bytes; results are checked with the rigorous bounds of error_bounds.py.
 
 Profiles: "fast" (the default run) and "thorough" (thousands of examples), chosen with
-BNBW_HYPOTHESIS_PROFILE=thorough; the slow-marked twins of every test always run "thorough"::
+BNBW_HYPOTHESIS_PROFILE=thorough; every test has a slow-marked twin named ``..._thorough`` that
+always runs "thorough"::
 
     BNBW_HYPOTHESIS_PROFILE=thorough pytest tests/test_properties.py     # every test, thorough
     pytest -m slow tests/test_properties.py                              # the thorough twins
@@ -25,8 +26,8 @@ from hypothesis import strategies as st
 
 import bnbw_native
 from bnbw_native import dml, ngraph, onednn
-from error_bounds import (BF16, BLOCKED_SUMS, F16, F32, Sentinel, assert_within, expected,
-                          same_bits, strided)
+from error_bounds import (ARITH, BF16, BLOCKED_SUMS, F16, F32, SUMS, Sentinel, assert_within,
+                          expected, same_bits, strided)
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
           HealthCheck.large_base_example]
@@ -48,13 +49,9 @@ GRAPH_TYPES = [(F32, F32), (F16, F32)] + ([(BF16, F32), (BF16, BF16)] if BF16 el
 SAME_TYPES = [F32, F16] + ([BF16] if BF16 else [])
 
 
-def twins(test):
-    """The test under the selected profile, and its slow-marked twin under "thorough".
-
-    `test` is a factory: called with a settings object it returns a fresh hypothesis test."""
-    fast = test(settings(settings.get_profile(PROFILE)))
-    thorough = pytest.mark.slow(test(settings(settings.get_profile("thorough"))))
-    return fast, thorough
+# the settings of the default tests and of their slow "_thorough" twins
+SELECTED = settings(settings.get_profile(PROFILE))
+THOROUGH = settings(settings.get_profile("thorough"))
 
 
 # ---- strategies -------------------------------------------------------------------------
@@ -231,24 +228,22 @@ def _check_array_front(front, data):
         assert first[1] is None and first[2] is None
 
 
-def _hypothesis_test(check, arg):
-    """A factory for twins(): a hypothesis test of check(arg, data) under the given profile."""
-    def factory(profile):
-        @profile
-        @given(data=st.data())
-        def test(data):
-            check(arg, data)
-        return test
-    return factory
+@pytest.mark.parametrize("front", FRONTS)
+@SELECTED
+@given(data=st.data())
+def test_array_front_matches_reference(front, data):
+    _check_array_front(front, data)
 
 
-for _front in FRONTS:
-    globals()[f"test_{_front}_matches_reference"], \
-        globals()[f"test_{_front}_matches_reference_thorough"] = \
-        twins(_hypothesis_test(_check_array_front, _front))
+@pytest.mark.slow
+@pytest.mark.parametrize("front", FRONTS)
+@THOROUGH
+@given(data=st.data())
+def test_array_front_matches_reference_thorough(front, data):
+    _check_array_front(front, data)
 
 
-# ---- two phases (SPEC 7): shards along axis 0, global sums, per-shard apply -----------------
+# ---- two phases (contract 7): shards along axis 0, global sums, per-shard apply -----------------
 
 def _check_two_phase(data):
     c = _array_front_case(data, "graph3")
@@ -290,9 +285,9 @@ def _check_two_phase(data):
     # f64 sums of f32 terms; f16/bf16 storage sums f32 blocks first (error_bounds.BLOCKED_SUMS),
     # and (x - mean) is rounded to f32 before its product
     blocked = c["t1"] != F32
-    tol_g = ((BLOCKED_SUMS if blocked else 2.0 ** -30) * np.abs(g64).sum(axis=c["axes"]).reshape(-1)
+    tol_g = ((BLOCKED_SUMS if blocked else SUMS) * np.abs(g64).sum(axis=c["axes"]).reshape(-1)
              + 1e-300)
-    tol_xg = ((2.0 ** -20 + (BLOCKED_SUMS if blocked else 0.0))
+    tol_xg = ((ARITH + (BLOCKED_SUMS if blocked else 0.0))
               * np.abs(centered * g64).sum(axis=c["axes"]).reshape(-1) + 1e-300)
     assert np.all(np.abs(total_a[0] - want_g) <= tol_g), (total_a[0], want_g)
     assert np.all(np.abs(total_a[1] - want_xg) <= tol_xg), (total_a[1], want_xg)
@@ -303,16 +298,17 @@ def _check_two_phase(data):
         assert_within(r.diff_beta, rdb.reshape(-1), bdb.reshape(-1), c["t2"], "dbias")
 
 
-def _two_phase_factory(profile):
-    @profile
-    @given(data=st.data())
-    def test(data):
-        _check_two_phase(data)
-    return test
+@SELECTED
+@given(data=st.data())
+def test_two_phase_matches_reference(data):
+    _check_two_phase(data)
 
 
-test_two_phase_matches_reference, test_two_phase_matches_reference_thorough = \
-    twins(_two_phase_factory)
+@pytest.mark.slow
+@THOROUGH
+@given(data=st.data())
+def test_two_phase_matches_reference_thorough(data):
+    _check_two_phase(data)
 
 
 # ---- DirectML: conveniences (any strides) and operators (descriptors) ------------------------
@@ -413,16 +409,34 @@ def _check_dml_operator(formula, data):
         assert_within(got, want, bound, c["t"], what)
 
 
-for _formula in ("frozen", "training"):
-    globals()[f"test_dml_convenience_{_formula}_matches_reference"], \
-        globals()[f"test_dml_convenience_{_formula}_matches_reference_thorough"] = \
-        twins(_hypothesis_test(_check_dml_convenience, _formula))
-    globals()[f"test_dml_operator_{_formula}_matches_reference"], \
-        globals()[f"test_dml_operator_{_formula}_matches_reference_thorough"] = \
-        twins(_hypothesis_test(_check_dml_operator, _formula))
+FORMULAS = ["frozen", "training"]
 
 
-def test_profiles_are_registered():
-    """The selected profile is a real one, and "thorough" runs thousands of examples."""
-    assert settings.get_profile(PROFILE).max_examples >= 25
-    assert settings.get_profile("thorough").max_examples >= 2000
+@pytest.mark.parametrize("formula", FORMULAS)
+@SELECTED
+@given(data=st.data())
+def test_dml_convenience_matches_reference(formula, data):
+    _check_dml_convenience(formula, data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("formula", FORMULAS)
+@THOROUGH
+@given(data=st.data())
+def test_dml_convenience_matches_reference_thorough(formula, data):
+    _check_dml_convenience(formula, data)
+
+
+@pytest.mark.parametrize("formula", FORMULAS)
+@SELECTED
+@given(data=st.data())
+def test_dml_operator_matches_reference(formula, data):
+    _check_dml_operator(formula, data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("formula", FORMULAS)
+@THOROUGH
+@given(data=st.data())
+def test_dml_operator_matches_reference_thorough(formula, data):
+    _check_dml_operator(formula, data)

@@ -1,0 +1,114 @@
+"""The implementations timed beside ours: the package's float64 reference, a float32 NumPy
+backward (what a NumPy user writes), PyTorch's own kernels (optional), and, for the fused ReLU
+rows, PyTorch's ReLU backward followed by our unfused call.  oneDNN is in onednn_peer.py."""
+import numpy as np
+
+from bnbw_native import reference as _reference
+
+from cases import EPSILON
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+try:
+    import torch
+except ImportError:      # torch columns are skipped with a note
+    torch = None
+
+reference = _reference.batchnorm_training_backward
+REFERENCE_NAME = "bnbw_native.reference"
+
+
+def numpy_f32_backward(x, dy, mean, var, gamma, epsilon, data_format, num_outputs,
+                       relu_dst=None):
+    """Batch-norm backward the way a NumPy user writes it: float32, vectorised (ReLU's
+    backward first, as its own pass, when `relu_dst` is given)."""
+    axis = 1 if data_format == "NCX" else x.ndim - 1
+    red = tuple(d for d in range(x.ndim) if d != axis)
+    bshape = [1] * x.ndim
+    bshape[axis] = -1
+    x32 = x.astype(np.float32, copy=False)
+    dy32 = dy.astype(np.float32, copy=False)
+    if relu_dst is not None:
+        dy32 = np.where(relu_dst > 0, dy32, np.float32(0))
+    r = (1 / np.sqrt(var + np.float32(epsilon))).astype(np.float32)
+    if num_outputs == 1:
+        dx = dy32 * r.reshape(bshape)
+        return dx.astype(x.dtype, copy=False), None, None
+    M = x.size // x.shape[axis]
+    xm = x32 - mean.reshape(bshape)
+    dbeta = dy32.sum(axis=red)
+    dgamma = (xm * dy32).sum(axis=red) * r
+    g = gamma if gamma is not None else np.ones_like(r)
+    dx = (g * r).reshape(bshape) * (dy32 - (dbeta / M).reshape(bshape)
+                                    - xm * (r * dgamma / M).reshape(bshape))
+    return dx.astype(x.dtype, copy=False), dgamma, dbeta
+
+
+def torch_view(arr):
+    """A torch tensor viewing `arr` (bf16 through its 16-bit patterns)."""
+    if ml_dtypes is not None and arr.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def torch_to_numpy(t, dtype):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(dtype)
+    return t.numpy()
+
+
+def torch_inputs(arrays, layout):
+    """Logical NCX torch views of the layout's arrays (no copies)."""
+    out = []
+    for arr in arrays:
+        t = torch_view(arr)
+        if layout == "NXC":
+            order = (0, arr.ndim - 1) + tuple(range(1, arr.ndim - 1))
+            t = t.permute(*order)
+            fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(arr.ndim)
+            if fmt is not None:
+                t = t.contiguous(memory_format=fmt)
+        assert t.data_ptr() == arr.ctypes.data, "torch copied"
+        out.append(t)
+    return out
+
+
+def from_torch(t, dtype, layout):
+    """A torch result (logical NCX) as a NumPy array arranged like `layout`'s arrays."""
+    if layout == "NXC":
+        t = t.permute(0, *range(2, t.dim()), 1)
+    return torch_to_numpy(t.contiguous(), dtype)
+
+
+def torch_call(X, DY, problem, num_outputs, Y=None):
+    """aten.native_batch_norm_backward on the views X, DY; with Y (the forward's output), ReLU's
+    backward first (aten.threshold_backward), as PyTorch runs a BatchNorm followed by ReLU."""
+    aten = torch.ops.aten
+    mean = torch.from_numpy(problem["mean"])
+    var = torch.from_numpy(problem["var"])
+    if num_outputs == 3:
+        weight = torch.from_numpy(problem["gamma"])
+        invstd = torch.from_numpy(
+            (1 / np.sqrt(problem["var"] + np.float32(EPSILON))).astype(np.float32))
+        mask = [True, True, True]
+        if Y is not None:
+            return lambda: aten.native_batch_norm_backward(
+                aten.threshold_backward(DY, Y, 0), X, weight, None, None, mean, invstd, True,
+                EPSILON, mask)
+        return lambda: aten.native_batch_norm_backward(DY, X, weight, None, None, mean, invstd,
+                                                       True, EPSILON, mask)
+    # frozen: eval mode with the statistics as running stats, gamma ignored as ours does
+    mask = [True, False, False]
+    return lambda: aten.native_batch_norm_backward(DY, X, None, mean, var, None, None, False,
+                                                   EPSILON, mask)
+
+
+def torch_result(t, x, layout, num_outputs):
+    """torch's (dx, dgamma, dbeta) as NumPy arrays, dx arranged like `layout`'s arrays."""
+    dx = from_torch(t[0], x.dtype, layout)
+    if num_outputs == 3:
+        return dx, t[1].numpy(), t[2].numpy()
+    return dx, None, None

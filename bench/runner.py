@@ -1,0 +1,425 @@
+"""One row per case and thread count (and kernel body, with --bodies): ours, the roofline probe
+and the peers timed interleaved on the same data, every result checked against the float64
+reference."""
+import os
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+import bnbw_native
+from bnbw_native import _config
+
+import onednn_peer
+from bandwidth import PROBE_BYTES_PER_ELEMENT, Probe
+from cases import (DEFAULT_FORMULAS, EPSILON, LAYOUTS, NUM_OUTPUTS, PROBE_PATTERN,
+                   RELU_FORMULAS, arrange, layout_arrays, make_problem, traffic)
+from checks import (TOLERANCE, CheckFailed, errors, peer_verdict, ref_scales, within)
+from machine import size_class
+from report import Table
+from peers import (REFERENCE_NAME, from_torch, numpy_f32_backward, reference, torch,
+                   torch_call, torch_inputs, torch_result)
+from timing import measure
+
+# Timed like ours (more rounds): ours, the probes, the two phases.
+SUBJECTS = ("ours", "probe", "probe1", "reduce", "apply", "probe_reduce", "probe_apply")
+PEERS = ("torch", "numpy", "reference", "onednn")
+
+
+@dataclass
+class Row:
+    case: str
+    shape: tuple
+    layout: str
+    dtype: str
+    formula: str
+    threads: int
+    elements: int
+    size_class: str
+    footprint_bytes: int
+    model_bytes: int
+    ours_ms: float
+    ours_min_ms: float
+    ours_iqr_ms: float
+    gbs: float
+    probe_ms: float            # roofline time: the probe's median (best of 1 and n threads),
+    #                            scaled to the row's model bytes
+    probe_gbs: float
+    roofline_pct: float
+    probe_threads_ms: float    # the probe on exactly `threads` threads, scaled alike
+    torch_ms: float = None
+    numpy_ms: float = None
+    ref_ms: float = None
+    onednn_ms: float = None
+    unfused_ms: float = None   # relu rows: torch's ReLU backward, then our unfused call
+    vs_torch: float = None
+    vs_numpy: float = None
+    vs_ref: float = None
+    vs_onednn: float = None
+    vs_unfused: float = None
+    err: list = field(default_factory=list)
+    torch_err: list = None
+    numpy_err: list = None
+    onednn_err: list = None
+    unfused_err: list = None
+    onednn_impl: str = None    # the implementation oneDNN chose, "unsupported: why", or None
+    body: str = None           # the kernel body ours ran on (bnbw_native._config.kernel_body)
+    body_cap: str = None       # --bodies: the cap asked for (use_kernels)
+    vs_first_body: float = None  # --bodies: first body's time / this body's time
+    check: str = "pass"
+    notes: list = field(default_factory=list)
+    load1: float = None        # 1-minute load average when the row was measured
+    split: dict = None         # --split: the two phases' times and % of their own roofline
+
+
+def resolve_bodies(caps):
+    """{cap: body that actually runs under it} (a cap the CPU cannot run falls back)."""
+    found = {}
+    for cap in caps:
+        previous = _config.use_kernels(cap)
+        try:
+            found[cap] = _config.kernel_body()
+        finally:
+            _config.use_kernels(previous)
+    return found
+
+
+class Runner:
+    """The case machinery: shapes x dtypes x layouts x formulas x threads -> Rows."""
+
+    def __init__(self, protocol, threads, dtypes, layouts=LAYOUTS, formulas=DEFAULT_FORMULAS,
+                 peers=PEERS, probe=None, echo=print, split=False, bodies=None, table=None):
+        self.protocol = protocol
+        self.threads = list(threads)
+        self.dtypes = list(dtypes)
+        self.layouts = list(layouts)
+        self.formulas = list(formulas)
+        self.peers = set(peers)
+        self.notes = []
+        if torch is None and "torch" in self.peers:
+            self.peers.discard("torch")
+            self.notes.append("torch and unfused columns skipped: torch is not importable")
+        self.onednn = onednn_peer.load() if "onednn" in self.peers else None
+        if "onednn" in self.peers and self.onednn is None:
+            self.peers.discard("onednn")
+            self.notes.append(f"oneDNN column skipped: {onednn_peer.why_absent}")
+        self.pools = ThreadpoolController()   # OpenMP and BLAS, found once
+        self.probe = probe or Probe()
+        self.reference, self.reference_name = reference, REFERENCE_NAME
+        self.echo = echo
+        # --split: time the two phases (backward_reduce, backward_apply) of training rows too
+        self.split = split
+        # --bodies: ours once per kernel body cap, interleaved; None = the body in use
+        self.bodies = resolve_bodies(bodies) if bodies else None
+        if self.bodies:
+            for cap, body in self.bodies.items():
+                if body.lower().replace("-", "") != cap:
+                    self.notes.append(f"kernel body cap {cap!r} runs {body} on this CPU")
+        self.table = table or Table(unfused=bool(set(self.formulas) & set(RELU_FORMULAS)),
+                                    bodies=bool(self.bodies))
+        self.rows = []
+
+    # -- the loop over cases -----------------------------------------------------------------
+
+    def run_shapes(self, named_shapes):
+        relu = bool(set(self.formulas) & set(RELU_FORMULAS))
+        try:
+            for name, shape in named_shapes.items():
+                for dtype_key in self.dtypes:
+                    problem = make_problem(name, shape, dtype_key, relu=relu)
+                    probe_bufs = {}
+                    for layout in self.layouts:
+                        arrays = layout_arrays(problem, layout)
+                        for formula in self.formulas:
+                            self.run_case(problem, layout, arrays, formula, probe_bufs)
+                        del arrays
+                    del problem, probe_bufs
+        finally:
+            if self.bodies:
+                _config.use_kernels(None)
+        return self.rows
+
+    def ours_names(self):
+        """{timing name: body cap} for ours: one entry, or one per --bodies cap."""
+        if not self.bodies:
+            return {"ours": None}
+        return {f"ours:{cap}": cap for cap in self.bodies}
+
+    def run_case(self, problem, layout, arrays, formula, probe_bufs):
+        x, dy, data_format = arrays["x"], arrays["dy"], arrays["data_format"]
+        k = NUM_OUTPUTS[formula]
+        C = problem["shape"][1]
+        mean, var, gamma = problem["mean"], problem["var"], problem["gamma"]
+        relu_dst = {"relu": arrays.get("y"), "relu-mask": arrays.get("mask")}.get(formula)
+        grad = arrays["g"] if relu_dst is not None else dy     # what the reference is given
+        relu_kw = {} if relu_dst is None else {"relu_dst": relu_dst}
+        where = f"{problem['name']} {layout} {problem['dtype_key']} {formula}"
+
+        t0 = perf_counter()
+        ref = self.reference(x, grad, mean, var, gamma, epsilon=EPSILON,
+                             data_format=data_format, num_outputs=k)
+        known = {"reference": perf_counter() - t0}   # single-threaded: any thread count
+        ref = [None if a is None else np.asarray(a).astype(np.float64) for a in ref[:3]]
+        scales = ref_scales(ref)
+
+        # Ours writes into preallocated outputs; each kernel body into its own, to check both.
+        outs, gaps = {}, {}
+        for i, name in enumerate(self.ours_names()):
+            dx, gaps[name] = (arrays["dx"], arrays["dx_gaps"]) if i == 0 else arrange(
+                np.zeros(problem["shape"], x.dtype), layout, np.nan)
+            outs[name] = (dx, np.zeros(C, np.float32), np.zeros(C, np.float32))[:k]
+
+        elements = int(np.prod(problem["shape"]))
+        model_bytes, footprint, array_bytes = traffic(formula, layout, x.dtype.itemsize,
+                                                      elements)
+        pattern = PROBE_PATTERN[formula]
+        probe_scale = model_bytes / (PROBE_BYTES_PER_ELEMENT[pattern] // 4 * array_bytes)
+        if array_bytes not in probe_bufs:
+            probe_bufs[array_bytes] = self.probe.buffers(array_bytes)
+        bufs = probe_bufs[array_bytes]
+
+        views = None
+        if "torch" in self.peers:
+            views = torch_inputs([x, dy] + ([arrays["y"]] if relu_dst is not None else []),
+                                 layout)
+        onednn_state = {}      # what one build found, for the next thread counts
+
+        for nthreads in self.threads:
+            fns, before = {}, {}
+            for name, cap in self.ours_names().items():
+                out = outs[name]
+                fns[name] = (lambda out=out: bnbw_native.batchnorm_training_backward(
+                    x, dy, mean, var, gamma, epsilon=EPSILON, data_format=data_format,
+                    num_outputs=k, out=out, num_threads=nthreads, **relu_kw))
+            fns["probe"] = self.probe.kernel(pattern, bufs, nthreads)
+            if nthreads > 1:   # the roofline may use fewer threads than it is given
+                fns["probe1"] = self.probe.kernel(pattern, bufs, 1)
+            if self.split and k == 3:
+                fns.update(self.phase_fns(x, dy, mean, var, gamma, data_format,
+                                          outs[next(iter(outs))], nthreads, bufs, relu_kw))
+            holder = {}
+            if "torch" in self.peers:
+                call = torch_call(views[0], views[1], problem, k,
+                                  Y=views[2] if relu_dst is not None else None)
+                fns["torch"] = lambda: holder.__setitem__("torch", call())
+                if relu_dst is not None:
+                    fns["unfused"] = self.unfused_fn(views, arrays, problem, layout, nthreads,
+                                                     holder)
+            if "numpy" in self.peers:
+                fns["numpy"] = lambda: holder.__setitem__("numpy", numpy_f32_backward(
+                    x, dy, mean, var, gamma, EPSILON, data_format, k, relu_dst=relu_dst))
+            if "reference" in self.peers:
+                fns["reference"] = lambda: self.reference(
+                    x, grad, mean, var, gamma, epsilon=EPSILON, data_format=data_format,
+                    num_outputs=k)
+            with self.pools.limit(limits=nthreads):
+                if torch is not None:
+                    torch.set_num_threads(nthreads)
+                # oneDNN fixes a primitive's thread count when it is created: build it here.
+                onednn_call = self.onednn_build(problem, layout, arrays, formula, onednn_state)
+                if onednn_call is not None:
+                    fns["onednn"] = onednn_call
+                if self.bodies:     # ours under each cap; everything else under the first
+                    first = next(iter(self.bodies))
+                    for name in fns:
+                        cap = self.ours_names().get(name, first)
+                        before[name] = lambda cap=cap: _config.use_kernels(cap)
+                times = measure(fns, self.protocol, subjects=SUBJECTS, known=known,
+                                before=before)
+
+            rows = []
+            for name, cap in self.ours_names().items():
+                row = self.make_row(problem, layout, formula, nthreads, elements, footprint,
+                                    model_bytes, probe_scale, times, name)
+                row.body = self.bodies[cap] if cap else _config.kernel_body()
+                row.body_cap = cap
+                row.onednn_impl = onednn_state.get("impl")
+                self.check_row(row, outs[name], ref, scales, problem, gaps[name])
+                rows.append(row)
+            if len(rows) > 1:
+                first_name = next(iter(outs))
+                for name, row in zip(list(outs)[1:], rows[1:]):
+                    if not all(np.array_equal(a.view(f"u{a.itemsize}"),
+                                              b.view(f"u{b.itemsize}"))
+                               for a, b in zip(outs[first_name], outs[name])):
+                        row.check = "FAIL"
+                        self.echo(self.format(row))
+                        raise CheckFailed(f"{where} threads={nthreads}: kernel bodies "
+                                          f"{rows[0].body} and {row.body} give different bits")
+                for row in rows:
+                    row.vs_first_body = rows[0].ours_ms / row.ours_ms
+            self.check_peers(rows, holder, onednn_call, onednn_state, ref, scales, problem,
+                             layout, k, where, outs)
+            if onednn_call is not None:
+                onednn_call.close()
+            for row in rows:
+                self.rows.append(row)
+                self.echo(self.format(row))
+
+    def format(self, row):
+        return self.table.row(row)
+
+    # -- peers ---------------------------------------------------------------------------------
+
+    def onednn_build(self, problem, layout, arrays, formula, state):
+        """oneDNN's backward on this case's arrays (its own outputs), or None when oneDNN is
+        absent or has no implementation ("unsupported" in state["impl"]).  ReLU rows: the
+        workspace comes from oneDNN's own forward, so its mask is compared with ours once
+        and, where an element differs, the reference is recomputed on oneDNN's mask."""
+        if self.onednn is None or state.get("impl", "").startswith(("unsupported", "error")):
+            return None
+        x, dy = arrays["x"], arrays["dy"]
+        k = NUM_OUTPUTS[formula]
+        C = problem["shape"][1]
+        out = (arrange(np.zeros(problem["shape"], x.dtype), layout, np.nan)[0],
+               np.zeros(C, np.float32), np.zeros(C, np.float32))
+        relu = formula in RELU_FORMULAS
+        try:
+            call = onednn_peer.Backward(
+                self.onednn, x, dy, problem["mean"], problem["var"], problem["gamma"], out,
+                epsilon=EPSILON, data_format=arrays["data_format"],
+                formula="training" if k == 3 else "frozen", relu_dst=relu,
+                beta=problem["beta"])
+        except onednn_peer.Unsupported as exc:
+            state["impl"] = f"unsupported: {exc}"
+            return None
+        except (onednn_peer.OneDNNError, TypeError) as exc:
+            state["impl"] = f"error: {exc}"
+            return None
+        call.out = out
+        if "impl" not in state:
+            state["impl"] = call.impl
+            if relu:
+                theirs = call.relu_y > 0
+                differ = int(np.count_nonzero(theirs != arrays["mask"]))
+                if differ:      # elements where y rounds to ~0 in one forward and not the other
+                    state["note"] = f"onednn mask differs on {differ}"
+                    g = np.where(theirs, dy, 0).astype(dy.dtype)
+                    r = self.reference(x, g, problem["mean"], problem["var"], problem["gamma"],
+                                       epsilon=EPSILON, data_format=arrays["data_format"],
+                                       num_outputs=k)
+                    r = [None if a is None else np.asarray(a).astype(np.float64)
+                         for a in r[:3]]
+                    state["ref"] = (r, ref_scales(r))
+        return call
+
+    def unfused_fn(self, views, arrays, problem, layout, nthreads, holder):
+        """What a PyTorch user of our layers pays today for BatchNorm + ReLU: torch's ReLU
+        backward (a new tensor), then our unfused call on it."""
+        aten = torch.ops.aten
+        X, DY, Y = views
+        x = arrays["x"]
+        C = problem["shape"][1]
+        out = (arrange(np.zeros(problem["shape"], x.dtype), layout, np.nan)[0],
+               np.zeros(C, np.float32), np.zeros(C, np.float32))
+        mean, var, gamma = problem["mean"], problem["var"], problem["gamma"]
+        data_format = arrays["data_format"]
+
+        def run():
+            g = from_torch(aten.threshold_backward(DY, Y, 0), x.dtype, layout)
+            bnbw_native.batchnorm_training_backward(
+                x, g, mean, var, gamma, epsilon=EPSILON, data_format=data_format, out=out,
+                num_threads=nthreads)
+            holder["unfused"] = out
+        return run
+
+    def check_peers(self, rows, holder, onednn_call, onednn_state, ref, scales, problem,
+                    layout, k, where, outs):
+        """Peer results against the reference: beyond the semantics limit the run fails, beyond
+        10x our tolerance the rows get a note."""
+        dtype_key = problem["dtype_key"]
+        x = next(iter(outs.values()))[0]
+        found = {}
+        if "torch" in holder:
+            found["torch"] = (errors(torch_result(holder.pop("torch"), x, layout, k), ref,
+                                     scales, problem, k), ref)
+        if "unfused" in holder:
+            found["unfused"] = (errors(holder.pop("unfused"), ref, scales, problem, k), ref)
+        if "numpy" in holder:
+            found["numpy"] = (errors(holder.pop("numpy"), ref, scales, problem, k), ref)
+        if onednn_call is not None:
+            r, s = onednn_state.get("ref", (ref, scales))
+            found["onednn"] = (errors(onednn_call.out, r, s, problem, k), r)
+        for name, (errs, _) in found.items():
+            try:
+                note = None if name == "numpy" else peer_verdict(name, errs, dtype_key, where)
+            except CheckFailed:
+                for row in rows:
+                    row.check = "FAIL"
+                raise
+            for row in rows:
+                setattr(row, f"{name}_err", errs)
+                if note:
+                    row.notes.append(note)
+        if onednn_call is not None and onednn_state.get("note"):
+            for row in rows:
+                row.notes.append(onednn_state["note"])
+
+    def phase_fns(self, x, dy, mean, var, gamma, data_format, out, nthreads, bufs, relu_kw):
+        """The reduce and apply phases of a training call, and their probe patterns."""
+        partial, count = bnbw_native.backward_reduce(x, dy, mean, data_format=data_format,
+                                                     num_threads=nthreads, **relu_kw)
+        probe = self.probe
+        return {
+            "reduce": lambda: bnbw_native.backward_reduce(
+                x, dy, mean, data_format=data_format, num_threads=nthreads, **relu_kw),
+            "apply": lambda: bnbw_native.backward_apply(
+                x, dy, mean, var, gamma, partial, count, epsilon=EPSILON,
+                data_format=data_format, out=out, num_threads=nthreads, **relu_kw),
+            "probe_reduce": probe.kernel("reduce", bufs, nthreads),
+            "probe_apply": probe.kernel("apply", bufs, nthreads),
+        }
+
+    # -- rows and checks -----------------------------------------------------------------------
+
+    def make_row(self, problem, layout, formula, nthreads, elements, footprint, model_bytes,
+                 probe_scale, times, ours_name="ours"):
+        ours = times[ours_name]["median"]
+        probe_n = times["probe"]["median"] * probe_scale
+        probe = min(probe_n, times["probe1"]["median"] * probe_scale) \
+            if "probe1" in times else probe_n
+        row = Row(
+            case=problem["name"], shape=problem["shape"], layout=layout,
+            dtype=problem["dtype_key"], formula=formula, threads=nthreads, elements=elements,
+            size_class=size_class(footprint), footprint_bytes=footprint,
+            model_bytes=model_bytes, ours_ms=ours * 1e3,
+            ours_min_ms=times[ours_name]["min"] * 1e3,
+            ours_iqr_ms=(times[ours_name]["q3"] - times[ours_name]["q1"]) * 1e3,
+            gbs=model_bytes / ours / 1e9, probe_ms=probe * 1e3,
+            probe_gbs=model_bytes / probe / 1e9, roofline_pct=100 * probe / ours,
+            probe_threads_ms=probe_n * 1e3, load1=os.getloadavg()[0])
+        for peer in ("torch", "numpy", "onednn", "unfused"):
+            if peer in times:
+                setattr(row, f"{peer}_ms", times[peer]["median"] * 1e3)
+        if "reference" in times:
+            row.ref_ms = times["reference"]["median"] * 1e3
+        if "reduce" in times:
+            t = {k: times[k]["median"] for k in ("reduce", "apply", "probe_reduce",
+                                                  "probe_apply")}
+            row.split = {"reduce_ms": t["reduce"] * 1e3, "apply_ms": t["apply"] * 1e3,
+                         "reduce_roofline_pct": 100 * t["probe_reduce"] / t["reduce"],
+                         "apply_roofline_pct": 100 * t["probe_apply"] / t["apply"]}
+            row.notes.append(f"reduce {row.split['reduce_roofline_pct']:.0f}% "
+                             f"apply {row.split['apply_roofline_pct']:.0f}%")
+        for peer, attr in (("torch", "torch_ms"), ("numpy", "numpy_ms"), ("ref", "ref_ms"),
+                           ("onednn", "onednn_ms"), ("unfused", "unfused_ms")):
+            value = getattr(row, attr)
+            setattr(row, f"vs_{peer}", value / row.ours_ms if value else None)
+        return row
+
+    def check_row(self, row, out, ref, scales, problem, dx_gaps):
+        result = tuple(out) + (None,) * (3 - len(out))
+        row.err = errors(result, ref, scales, problem, len(out))
+        problems = []
+        if not within(row.err, row.dtype):
+            problems.append(f"errors {row.err} above tolerance {TOLERANCE[row.dtype]}")
+        if dx_gaps is not None and dx_gaps.size and not np.isnan(dx_gaps).all():
+            problems.append("wrote between the elements of a strided diff_src")
+        if problems:
+            row.check = "FAIL"
+            self.echo(self.format(row))
+            raise CheckFailed(f"{row.case} {row.shape} {row.layout} {row.dtype} {row.formula} "
+                              f"threads={row.threads}" +
+                              (f" body={row.body}" if row.body_cap else "") + ": " +
+                              "; ".join(problems))

@@ -1,0 +1,638 @@
+/*
+ * bnbw_kernels_impl.h - the arithmetic of the nine kernels, written once over the vector layer
+ * (see bnbw_kernels.h for what they compute, the precision and the lane plan).
+ *
+ * Included by one translation unit per instruction set, after that instruction set's layer
+ * (bnbw_simd_*.h), with BNBW_TABLE naming the table it defines.  Every body specialises on the
+ * storage type, the mask's type and (channel-major rows) whether every operand is contiguous,
+ * so the loops carry no per-element branch.
+ */
+#ifndef BNBW_TABLE
+#error "define BNBW_TABLE and include a bnbw_simd_*.h layer before bnbw_kernels_impl.h"
+#endif
+
+#define BNBW__ISZ(dt) ((dt) == BNBW_F32 ? 4 : 2)
+
+/* Elements in the next channel-major block when `left` remain: BNBW_BLOCK_RUNS whole runs, or
+ * the whole runs that are left (short rows, row ends), 0 when less than a run is left. */
+BNBW_INLINE int64_t k__block_length(int64_t left)
+{
+    int64_t most = BNBW_BLOCK_RUNS * 16;
+    return left >= most ? most : left - left % 16;
+}
+
+/* g for elements i..i+15 of a row: dy, masked when the call has a mask. */
+BNBW_INLINE vf k__g(const bnbw_io *io, int64_t i, int64_t gs, int64_t ms, int dt, int mdt, int eo)
+{
+    vf g = v_load(io->dy, i, gs, dt, eo);
+    if (mdt != BNBW_NO_MASK)
+        g = vf_keep(g, v_active(io->mask, i, ms, mdt, eo));
+    return g;
+}
+
+BNBW_INLINE vf k__g_part(const bnbw_io *io, int64_t i, int64_t t, int64_t gs, int64_t ms, int dt,
+                         int mdt)
+{
+    vf g = v_load_part(io->dy, i, t, gs, dt);
+    if (mdt != BNBW_NO_MASK)
+        g = vf_keep(g, v_active_part(io->mask, i, t, ms, mdt));
+    return g;
+}
+
+/* The exact sums of 16 terms: dy (g) and (x - mean) * g in f64, lane for lane. */
+#define K__ACCUMULATE(G, P, GV, DV) do {                                                    \
+        vf k_acc_g = (GV);                                                                  \
+        G = vd_add_f32(G, k_acc_g);                                                         \
+        P = vd_fma_f32(P, (DV), k_acc_g);                                                   \
+    } while (0)
+
+/* The f32 block sums of 16 terms. */
+#define K__BLOCK_ADD(FG, FP, GV, DV) do {                                                   \
+        vf k_blk_g = (GV);                                                                  \
+        FG = vf_add(FG, k_blk_g);                                                           \
+        FP = vf_add_mp(FP, vf_mul((DV), k_blk_g));                                          \
+    } while (0)
+
+/* Adds a block's f32 sums FG, FP into the f64 lanes G, P.  Lanes whose block sums are not
+ * finite take instead what REDO - the block's terms through K__ACCUMULATE into G, P - gives
+ * them: a rare path (overflow, inf, NaN), so it runs for every lane and the lanes are picked. */
+#define K__BLOCK_FLUSH(G, P, FG, FP, REDO) do {                                             \
+        vm ok_ = vm_finite2(FG, FP);                                                        \
+        vd bg_ = vd_add_f32(G, FG), bp_ = vd_add_f32(P, FP);                                \
+        if (vm_all(ok_)) {                                                                  \
+            G = bg_;                                                                        \
+            P = bp_;                                                                        \
+        } else {                                                                            \
+            REDO;                                                                           \
+            G = vd_select(ok_, bg_, G);                                                     \
+            P = vd_select(ok_, bp_, P);                                                     \
+        }                                                                                   \
+    } while (0)
+
+/* ---- channel-major rows ---------------------------------------------------------------- */
+
+BNBW_INLINE void k_reduce_row(const bnbw_io *io, int64_t n, float mean, double out[2], int sums,
+                              int dt, int mdt, int contig)
+{
+    const int64_t xs = contig ? 1 : io->x_step, gs = contig ? 1 : io->dy_step;
+    const int64_t ms = contig ? 1 : io->mask_step;
+    const vf m = vf_set1(mean);
+    vd G = vd_zero(), P = vd_zero();
+    int64_t i = 0, block;
+    if (sums != BNBW_EXACT_SUMS) {
+        const int eo = sums == BNBW_BLOCKS_EVEN_ODD;
+        /* one run per iteration, kept rolled: unrolled, compilers hoist a block's loads and
+           spill them */
+#define K__RUN_TERMS(ADD, A, B)                                                             \
+        _Pragma("GCC unroll 1")                                                             \
+        for (int64_t k = i; k < i + block; k += 16)                                         \
+            ADD(A, B, k__g(io, k, gs, ms, dt, mdt, eo),                                     \
+                vf_sub_mp(v_load(io->x, k, xs, dt, eo), m))
+        for (; (block = k__block_length(n - i)) > 0; i += block) {
+            vf FG = vf_zero(), FP = vf_zero();
+            K__RUN_TERMS(K__BLOCK_ADD, FG, FP);
+            K__BLOCK_FLUSH(G, P, FG, FP, K__RUN_TERMS(K__ACCUMULATE, G, P));
+        }
+#undef K__RUN_TERMS
+    }
+    for (const int64_t n16 = n - n % 16; i < n16; i += 16)
+        K__ACCUMULATE(G, P, k__g(io, i, gs, ms, dt, mdt, 0),
+                      vf_sub(v_load(io->x, i, xs, dt, 0), m));
+    if (i < n) {
+        /* the last t < 16 elements in lanes 0.., the others an exact identity: g = -0 and
+           x - mean = +0 add -0 to both sums, and s + -0 == s for every s, signed zeros too */
+        const int64_t t = n - i;
+        const vm in = vm_below(t);
+        K__ACCUMULATE(G, P, vf_select(in, k__g_part(io, i, t, gs, ms, dt, mdt), vf_set1(-0.0f)),
+                      vf_keep(vf_sub(v_load_part(io->x, i, t, xs, dt), m), in));
+    }
+    out[0] = vd_fold(G);
+    out[1] = vd_fold(P);
+}
+
+/* dx = k2*(x - mean) + (k1*g + k3): two fused multiply-adds, rounded twice after the exact
+ * subtraction. */
+BNBW_INLINE vf k__apply(vf x, vf g, vf m, vf k1, vf k2, vf k3)
+{
+    return vf_fma(k2, vf_sub_mp(x, m), vf_fma(k1, g, k3));
+}
+
+/* Elementwise kernels read contiguous bf16 rows in the layer's cheapest lane order. */
+#define K__EO(dt, contig) (BNBW_SIMD_BF16_EVEN_ODD && (dt) == BNBW_BF16 && (contig))
+
+/* g written out for elements i..i+t (t <= 16), before dx, which may overwrite dy. */
+BNBW_INLINE void k__residual(const bnbw_io *io, int64_t i, int64_t t, int64_t gs, int64_t ms,
+                             int64_t rs, int dt, int mdt)
+{
+    if (mdt != BNBW_NO_MASK && io->dres != NULL)
+        v_copy_active(io->dres, rs, io->dy, gs, io->mask, ms, i, t, dt, mdt);
+}
+
+BNBW_INLINE void k_apply_row(const bnbw_io *io, int64_t n, float mean, float k1, float k2,
+                             float k3, int dt, int mdt, int contig)
+{
+    const int64_t xs = contig ? 1 : io->x_step, gs = contig ? 1 : io->dy_step;
+    const int64_t ms = contig ? 1 : io->mask_step, ds = contig ? 1 : io->dx_step;
+    const int64_t rs = contig ? 1 : io->dres_step;
+    const int eo = K__EO(dt, contig);
+    const vf m = vf_set1(mean), a = vf_set1(k1), b = vf_set1(k2), c = vf_set1(k3);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        vf x = v_load(io->x, i, xs, dt, eo), g = k__g(io, i, gs, ms, dt, mdt, eo);
+        k__residual(io, i, 16, gs, ms, rs, dt, mdt);
+        v_store(io->dx, i, ds, k__apply(x, g, m, a, b, c), dt, eo);
+    }
+    if (i < n) {                   /* the last t < 16 elements */
+        const int64_t t = n - i;
+        vf x = v_load_part(io->x, i, t, xs, dt), g = k__g_part(io, i, t, gs, ms, dt, mdt);
+        k__residual(io, i, t, gs, ms, rs, dt, mdt);
+        v_store_part(io->dx, i, t, ds, k__apply(x, g, m, a, b, c), dt);
+    }
+}
+
+BNBW_INLINE void k_scale_row(const bnbw_io *io, int64_t n, float k1, int dt, int mdt, int contig)
+{
+    const int64_t gs = contig ? 1 : io->dy_step, ms = contig ? 1 : io->mask_step;
+    const int64_t ds = contig ? 1 : io->dx_step, rs = contig ? 1 : io->dres_step;
+    const int eo = K__EO(dt, contig);
+    const vf a = vf_set1(k1);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        vf g = k__g(io, i, gs, ms, dt, mdt, eo);
+        k__residual(io, i, 16, gs, ms, rs, dt, mdt);
+        v_store(io->dx, i, ds, vf_mul(a, g), dt, eo);
+    }
+    if (i < n) {
+        const int64_t t = n - i;
+        vf g = k__g_part(io, i, t, gs, ms, dt, mdt);
+        k__residual(io, i, t, gs, ms, rs, dt, mdt);
+        v_store_part(io->dx, i, t, ds, vf_mul(a, g), dt);
+    }
+}
+
+/* ---- channel-last rows ------------------------------------------------------------------ */
+
+/* Row j, channels c..c+15 of a channel-last call (contiguous channels, element order). */
+#define K__X(j, c) v_load(io->x, (j) * io->x_step + (c), 1, dt, 0)
+#define K__G(j, c) k__g_rows(io, j, c, dt, mdt)
+BNBW_INLINE vf k__g_rows(const bnbw_io *io, int64_t j, int64_t c, int dt, int mdt)
+{
+    vf g = v_load(io->dy, j * io->dy_step + c, 1, dt, 0);
+    if (mdt != BNBW_NO_MASK)
+        g = vf_keep(g, v_active(io->mask, j * io->mask_step + c, 1, mdt, 0));
+    return g;
+}
+
+/* The last t < 16 channels of row j. */
+BNBW_INLINE vf k__g_rows_part(const bnbw_io *io, int64_t j, int64_t c, int64_t t, int dt, int mdt)
+{
+    vf g = v_load_part(io->dy, j * io->dy_step + c, t, 1, dt);
+    if (mdt != BNBW_NO_MASK)
+        g = vf_keep(g, v_active_part(io->mask, j * io->mask_step + c, t, 1, mdt));
+    return g;
+}
+
+/* Rows r..r+nr of channels c..c+15 (mean mv) as 16 terms per row. */
+#define K__ROW_TERMS(ADD, A, B)                                                             \
+    for (int64_t j = r; j < r + nr; ++j)                                                    \
+        ADD(A, B, K__G(j, c), vf_sub_mp(K__X(j, c), mv))
+
+/* Adds the f32 block sums FG, FP of rows r..r+nr, channels c..c+15, into sum_g, sum_xg. */
+BNBW_INLINE void k__rows_flush(const bnbw_io *io, int64_t r, int64_t nr, int64_t c, vf mv, vf FG,
+                               vf FP, double *sum_g, double *sum_xg, int dt, int mdt)
+{
+    vd G = vd_loadu(sum_g + c), P = vd_loadu(sum_xg + c);
+    K__BLOCK_FLUSH(G, P, FG, FP, K__ROW_TERMS(K__ACCUMULATE, G, P));
+    vd_storeu(sum_g + c, G);
+    vd_storeu(sum_xg + c, P);
+}
+
+/* Channels per slice of the channel-last kernels that keep per-channel f32 values on the stack
+ * (block sums, constants in lane order; up to 32 KiB): the engine's widest call, so that each
+ * walks a row once. */
+#define BNBW_SLICE 2048
+
+/* Blocked sums of channels 0..n16 (a multiple of 16) of rows wider than K__WIDE_ROW bytes:
+ * rows one after another, each block's f32 sums in a buffer.  Visiting a block's 16 rows a few
+ * channels at a time instead reads 32 interleaved streams, which the prefetchers do not follow.
+ * The buffer is read back whole (vf_opaque): split into narrower loads of wide stores it would
+ * miss store forwarding. */
+BNBW_INLINE void k__reduce_wide_rows_blocked(const bnbw_io *io, int64_t rows, int64_t n16,
+                                             const float *mean, double *sum_g, double *sum_xg,
+                                             int dt, int mdt)
+{
+    float bg[BNBW_SLICE], bp[BNBW_SLICE];
+    for (int64_t c0 = 0; c0 < n16; c0 += BNBW_SLICE) {
+        int64_t w = n16 - c0 < BNBW_SLICE ? n16 - c0 : BNBW_SLICE;
+        for (int64_t r = 0; r < rows; r += BNBW_BLOCK_ROWS) {
+            int64_t nr = rows - r < BNBW_BLOCK_ROWS ? rows - r : BNBW_BLOCK_ROWS;
+            for (int64_t j = r; j < r + nr; ++j)
+                for (int64_t l = 0; l < w; l += 16) {
+                    const int64_t c = c0 + l;
+                    vf FG = vf_zero(), FP = vf_zero();
+                    if (j > r) {
+                        FG = vf_loadu(bg + l);
+                        FP = vf_loadu(bp + l);
+                    }
+                    K__BLOCK_ADD(FG, FP, K__G(j, c), vf_sub_mp(K__X(j, c), vf_loadu(mean + c)));
+                    vf_storeu(bg + l, FG);
+                    vf_storeu(bp + l, FP);
+                }
+            for (int64_t l = 0; l < w; l += 16) {
+                const int64_t c = c0 + l;
+                k__rows_flush(io, r, nr, c, vf_loadu(mean + c), vf_opaque(vf_loadu(bg + l)),
+                              vf_opaque(vf_loadu(bp + l)), sum_g, sum_xg, dt, mdt);
+            }
+        }
+    }
+}
+
+/* Blocked sums of channels 0..n16, a block of BNBW_BLOCK_ROWS rows at a time: rows of up to
+ * K__WIDE_ROW bytes keep the block sums in registers, 32 channels per visit of the block's rows
+ * (a whole 64-byte line of halves at once); wider ones go through the buffered walk. */
+#define K__WIDE_ROW 128
+BNBW_INLINE void k__reduce_rows_blocked(const bnbw_io *io, int64_t rows, int64_t n16,
+                                        const float *mean, double *sum_g, double *sum_xg, int dt,
+                                        int mdt)
+{
+    const int64_t isz = BNBW__ISZ(dt);
+    if (io->x_step * isz > K__WIDE_ROW || io->dy_step * isz > K__WIDE_ROW) {
+        k__reduce_wide_rows_blocked(io, rows, n16, mean, sum_g, sum_xg, dt, mdt);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r += BNBW_BLOCK_ROWS) {
+        int64_t nr = rows - r < BNBW_BLOCK_ROWS ? rows - r : BNBW_BLOCK_ROWS;
+        int64_t c = 0;
+        for (; c + 32 <= n16; c += 32) {
+            const vf ma = vf_loadu(mean + c), mb = vf_loadu(mean + c + 16);
+            vf FG = vf_zero(), FP = FG, HG = FG, HP = FG;
+            for (int64_t j = r; j < r + nr; ++j) {
+                K__BLOCK_ADD(FG, FP, K__G(j, c), vf_sub_mp(K__X(j, c), ma));
+                K__BLOCK_ADD(HG, HP, K__G(j, c + 16), vf_sub_mp(K__X(j, c + 16), mb));
+            }
+            k__rows_flush(io, r, nr, c, ma, FG, FP, sum_g, sum_xg, dt, mdt);
+            k__rows_flush(io, r, nr, c + 16, mb, HG, HP, sum_g, sum_xg, dt, mdt);
+        }
+        if (c < n16) {             /* one run of 16 channels left */
+            const vf mv = vf_loadu(mean + c);
+            vf FG = vf_zero(), FP = FG;
+            K__ROW_TERMS(K__BLOCK_ADD, FG, FP);
+            k__rows_flush(io, r, nr, c, mv, FG, FP, sum_g, sum_xg, dt, mdt);
+        }
+    }
+}
+
+/* Short rows go four at a time: for each run of 16 channels the sums are loaded, the four rows
+ * added in row order and the sums stored back.  Walking all rows per channel run instead would
+ * visit addresses a row stride apart, which for power-of-two strides all fall into one L1 set.
+ * When the rows stream from memory (`streaming`), rows of 257 B to 2 KiB go one at a time
+ * instead: four of them interleaved line by line within a page or two defeat the hardware
+ * prefetcher.  Either way each channel adds its rows in row order: the same bits. */
+#define K__ROW_GROUP 4
+#define K__ONE_ROW_FROM 257
+#define K__ONE_ROW_TO 2048
+
+BNBW_INLINE void k_reduce_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                               double *sum_g, double *sum_xg, int streaming, int sums, int dt,
+                               int mdt)
+{
+    const int64_t n16 = n - n % 16, row_bytes = io->x_step * BNBW__ISZ(dt);
+    int64_t group = streaming && row_bytes >= K__ONE_ROW_FROM && row_bytes <= K__ONE_ROW_TO
+                    ? 1 : K__ROW_GROUP;
+    if (sums != BNBW_EXACT_SUMS) {     /* a group is a block */
+        k__reduce_rows_blocked(io, rows, n16, mean, sum_g, sum_xg, dt, mdt);
+        group = BNBW_BLOCK_ROWS;
+    } else {
+        for (int64_t r = 0; r < rows; r += group) {
+            int64_t nr = rows - r < group ? rows - r : group;
+            for (int64_t c = 0; c < n16; c += 16) {
+                vd G = vd_loadu(sum_g + c), P = vd_loadu(sum_xg + c);
+                const vf mv = vf_loadu(mean + c);
+                for (int64_t j = r; j < r + nr; ++j)
+                    K__ACCUMULATE(G, P, K__G(j, c), vf_sub(K__X(j, c), mv));
+                vd_storeu(sum_g + c, G);
+                vd_storeu(sum_xg + c, P);
+            }
+        }
+    }
+    if (n16 < n) {                 /* the last t < 16 channels: sums in registers, all rows */
+        const int64_t t = n - n16;
+        double sg[16] = {0}, sxg[16] = {0};
+        const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32);
+        memcpy(sg, sum_g + n16, (size_t)t * sizeof(double));
+        memcpy(sxg, sum_xg + n16, (size_t)t * sizeof(double));
+        vd G = vd_loadu(sg), P = vd_loadu(sxg);
+        for (int64_t r = 0; r < rows; r += group) {
+            int64_t nr = rows - r < group ? rows - r : group;
+#define K__PART_TERMS(ADD, A, B)                                                            \
+            for (int64_t j = r; j < r + nr; ++j) {                                          \
+                ADD(A, B, k__g_rows_part(io, j, n16, t, dt, mdt),                           \
+                    vf_sub(v_load_part(io->x, j * io->x_step + n16, t, 1, dt), mv));        \
+            }
+            if (sums != BNBW_EXACT_SUMS) {
+                vf FG = vf_zero(), FP = FG;
+                K__PART_TERMS(K__BLOCK_ADD, FG, FP);
+                K__BLOCK_FLUSH(G, P, FG, FP, K__PART_TERMS(K__ACCUMULATE, G, P));
+            } else {
+                K__PART_TERMS(K__ACCUMULATE, G, P);
+            }
+#undef K__PART_TERMS
+        }
+        vd_storeu(sg, G);
+        vd_storeu(sxg, P);
+        memcpy(sum_g + n16, sg, (size_t)t * sizeof(double));
+        memcpy(sum_xg + n16, sxg, (size_t)t * sizeof(double));
+    }
+}
+
+/* The per-channel constants of channels c0..c0+w (w a multiple of 16, at most BNBW_SLICE) in
+ * the lane order the elementwise kernels load dt's rows in: src itself, or a copy. */
+BNBW_INLINE const float *k__lane_order(const float *src, int64_t c0, int64_t w, float *copy,
+                                       int dt)
+{
+    if (!K__EO(dt, 1))
+        return src + c0;
+    for (int64_t c = 0; c < w; c += 16)
+        for (int k = 0; k < 8; ++k) {
+            copy[c + k] = src[c0 + c + 2 * k];
+            copy[c + 8 + k] = src[c0 + c + 2 * k + 1];
+        }
+    return copy;
+}
+
+/* Rows r of channels c..c+15, in lane order (contiguous rows of channels) */
+#define K__LX(j, c) v_load(io->x, (j) * io->x_step + (c), 1, dt, eo)
+#define K__LG(j, c) k__g_rows_lanes(io, j, c, dt, mdt, eo)
+BNBW_INLINE vf k__g_rows_lanes(const bnbw_io *io, int64_t j, int64_t c, int dt, int mdt, int eo)
+{
+    vf g = v_load(io->dy, j * io->dy_step + c, 1, dt, eo);
+    if (mdt != BNBW_NO_MASK)
+        g = vf_keep(g, v_active(io->mask, j * io->mask_step + c, 1, mdt, eo));
+    return g;
+}
+
+BNBW_INLINE void k__residual_rows(const bnbw_io *io, int64_t j, int64_t c, int64_t t, int dt,
+                                  int mdt)
+{
+    if (mdt != BNBW_NO_MASK && io->dres != NULL)
+        v_copy_active((char *)io->dres + j * io->dres_step * BNBW__ISZ(dt), 1,
+                      (const char *)io->dy + j * io->dy_step * BNBW__ISZ(dt), 1,
+                      (const char *)io->mask + j * io->mask_step
+                          * (mdt == BNBW_BOOL ? 1 : BNBW__ISZ(dt)),
+                      1, c, t, dt, mdt);
+}
+
+BNBW_INLINE void k_apply_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                              const float *k1, const float *k2, const float *k3, int dt,
+                              int mdt)
+{
+    float cm[BNBW_SLICE], c1[BNBW_SLICE], c2[BNBW_SLICE], c3[BNBW_SLICE];
+    const int eo = K__EO(dt, 1);
+    const int64_t n16 = n - n % 16, slice = eo ? BNBW_SLICE : n16;
+    for (int64_t c0 = 0; c0 < n16; c0 += slice) {     /* one slice unless in lane order */
+        int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
+        const float *lm = k__lane_order(mean, c0, w, cm, dt);
+        const float *l1 = k__lane_order(k1, c0, w, c1, dt);
+        const float *l2 = k__lane_order(k2, c0, w, c2, dt);
+        const float *l3 = k__lane_order(k3, c0, w, c3, dt);
+        for (int64_t j = 0; j < rows; ++j)
+            for (int64_t c = 0; c < w; c += 16) {
+                vf x = K__LX(j, c0 + c), g = K__LG(j, c0 + c);
+                k__residual_rows(io, j, c0 + c, 16, dt, mdt);
+                v_store(io->dx, j * io->dx_step + c0 + c, 1,
+                        k__apply(x, g, vf_loadu(lm + c), vf_loadu(l1 + c), vf_loadu(l2 + c),
+                                 vf_loadu(l3 + c)),
+                        dt, eo);
+            }
+    }
+    if (n16 < n) {                 /* the last t < 16 channels */
+        const int64_t t = n - n16;
+        const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32);
+        const vf a = v_load_part(k1, n16, t, 1, BNBW_F32), b = v_load_part(k2, n16, t, 1, BNBW_F32);
+        const vf c = v_load_part(k3, n16, t, 1, BNBW_F32);
+        for (int64_t j = 0; j < rows; ++j) {
+            vf x = v_load_part(io->x, j * io->x_step + n16, t, 1, dt);
+            vf g = k__g_rows_part(io, j, n16, t, dt, mdt);
+            k__residual_rows(io, j, n16, t, dt, mdt);
+            v_store_part(io->dx, j * io->dx_step + n16, t, 1, k__apply(x, g, mv, a, b, c), dt);
+        }
+    }
+}
+
+BNBW_INLINE void k_scale_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *k1, int dt,
+                              int mdt)
+{
+    float c1[BNBW_SLICE];
+    const int eo = K__EO(dt, 1);
+    const int64_t n16 = n - n % 16, slice = eo ? BNBW_SLICE : n16;
+    for (int64_t c0 = 0; c0 < n16; c0 += slice) {
+        int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
+        const float *l1 = k__lane_order(k1, c0, w, c1, dt);
+        for (int64_t j = 0; j < rows; ++j)
+            for (int64_t c = 0; c < w; c += 16) {
+                vf g = K__LG(j, c0 + c);
+                k__residual_rows(io, j, c0 + c, 16, dt, mdt);
+                v_store(io->dx, j * io->dx_step + c0 + c, 1, vf_mul(vf_loadu(l1 + c), g), dt, eo);
+            }
+    }
+    if (n16 < n) {
+        const int64_t t = n - n16;
+        const vf a = v_load_part(k1, n16, t, 1, BNBW_F32);
+        for (int64_t j = 0; j < rows; ++j) {
+            vf g = k__g_rows_part(io, j, n16, t, dt, mdt);
+            k__residual_rows(io, j, n16, t, dt, mdt);
+            v_store_part(io->dx, j * io->dx_step + n16, t, 1, vf_mul(a, g), dt);
+        }
+    }
+}
+
+/* ---- runs of short channel-major rows --------------------------------------------------- */
+
+/* Row r of a run: the call's operands moved r rows on. */
+BNBW_INLINE bnbw_io k__run_row(const bnbw_io *io, const bnbw_run *run, int64_t r)
+{
+    bnbw_io o = *io;
+    o.x = (const char *)io->x + r * run->x;
+    o.dy = (const char *)io->dy + r * run->dy;
+    if (io->mask != NULL)
+        o.mask = (const char *)io->mask + r * run->mask;
+    if (io->dx != NULL)
+        o.dx = (char *)io->dx + r * run->dx;
+    if (io->dres != NULL)
+        o.dres = (char *)io->dres + r * run->dres;
+    return o;
+}
+
+BNBW_INLINE void k_reduce_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                  const float *mean, double *sums, int64_t sums_step, int mode,
+                                  int dt, int mdt)
+{
+    for (int64_t r = 0; r < run->count; ++r, sums += sums_step) {
+        bnbw_io o = k__run_row(io, run, r);
+        double part[2];
+        k_reduce_row(&o, n, mean[r], part, mode, dt, mdt, 1);
+        sums[0] += part[0];
+        sums[1] += part[1];
+    }
+}
+
+BNBW_INLINE void k_apply_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                 const float *mean, const float *k1, const float *k2,
+                                 const float *k3, int dt, int mdt)
+{
+    for (int64_t r = 0; r < run->count; ++r) {
+        bnbw_io o = k__run_row(io, run, r);
+        k_apply_row(&o, n, mean[r], k1[r], k2[r], k3[r], dt, mdt, 1);
+    }
+}
+
+BNBW_INLINE void k_scale_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                 const float *k1, int dt, int mdt)
+{
+    for (int64_t r = 0; r < run->count; ++r) {
+        bnbw_io o = k__run_row(io, run, r);
+        k_scale_row(&o, n, k1[r], dt, mdt, 1);
+    }
+}
+
+/* ---- the table ------------------------------------------------------------------------- */
+
+/* Every kernel is compiled once per storage type and mask type - and, for channel-major rows,
+ * per "every operand contiguous" - each variant a function of its own, so that its loops are
+ * optimised alone with their constants folded and carry no per-element branch.  The table's
+ * entry picks the variant. */
+#define K__MASKS(X, KERNEL, TN, T, CONTIG, PARAMS, ARGS)                                   \
+    X(KERNEL, TN, T, none, BNBW_NO_MASK, CONTIG, PARAMS, ARGS)                                \
+    X(KERNEL, TN, T, bool, BNBW_BOOL, CONTIG, PARAMS, ARGS)                                   \
+    X(KERNEL, TN, T, vals, T, CONTIG, PARAMS, ARGS)
+#define K__TYPES(X, KERNEL, CONTIG, PARAMS, ARGS)                                            \
+    K__MASKS(X, KERNEL, f32, BNBW_F32, CONTIG, PARAMS, ARGS)                                 \
+    K__MASKS(X, KERNEL, f16, BNBW_F16, CONTIG, PARAMS, ARGS)                                 \
+    K__MASKS(X, KERNEL, bf16, BNBW_BF16, CONTIG, PARAMS, ARGS)
+
+#define K__DEFINE(KERNEL, TN, T, MN, M, CONTIG, PARAMS, ARGS)                                \
+    static __attribute__((noinline)) void KERNEL##_##TN##_##MN##_##CONTIG PARAMS              \
+    {                                                                                        \
+        /* a local copy: stores through the rows' pointers could alias the caller's struct,  \
+           which would make the compiler reload its fields in every loop */                  \
+        const bnbw_io io_copy = *io_arg, *const io = &io_copy;                               \
+        const int DT = T, MDT = M, CONTIG_ = CONTIG;                                         \
+        (void)CONTIG_;                                                                       \
+        KERNEL ARGS;                                                                         \
+        v_leave();                                                                           \
+    }
+#define K__ENTRY(KERNEL, TN, T, MN, M, CONTIG, PARAMS, ARGS) KERNEL##_##TN##_##MN##_##CONTIG,
+
+#define K__ROW_KERNEL(KERNEL, PARAMS, ARGS)                                                  \
+    K__TYPES(K__DEFINE, KERNEL, 0, PARAMS, ARGS)                                             \
+    K__TYPES(K__DEFINE, KERNEL, 1, PARAMS, ARGS)                                             \
+    static void (*const KERNEL##_variants[2][9]) PARAMS = {                                  \
+        {K__TYPES(K__ENTRY, KERNEL, 0, PARAMS, ARGS)},                                       \
+        {K__TYPES(K__ENTRY, KERNEL, 1, PARAMS, ARGS)}};
+#define K__ROWS_KERNEL(KERNEL, PARAMS, ARGS)                                                 \
+    K__TYPES(K__DEFINE, KERNEL, 1, PARAMS, ARGS)                                             \
+    static void (*const KERNEL##_variants[9]) PARAMS = {                                     \
+        K__TYPES(K__ENTRY, KERNEL, 1, PARAMS, ARGS)};
+
+/* The variant index of a call's storage type and mask. */
+BNBW_INLINE int k__variant(const bnbw_io *io)
+{
+    int mask = io->mask == NULL ? 0 : io->mask_dt == BNBW_BOOL ? 1 : 2;
+    return 3 * (io->dt == BNBW_F16 ? 1 : io->dt == BNBW_BF16 ? 2 : 0) + mask;
+}
+
+BNBW_INLINE int k__contiguous(const bnbw_io *io)
+{
+    return (io->x == NULL || io->x_step == 1) && io->dy_step == 1
+           && (io->dx == NULL || io->dx_step == 1) && (io->mask == NULL || io->mask_step == 1)
+           && (io->dres == NULL || io->dres_step == 1);
+}
+
+K__ROW_KERNEL(k_reduce_row,
+              (const bnbw_io *io_arg, int64_t n, float mean, double *out, int sums),
+              (io, n, mean, out, sums, DT, MDT, CONTIG_))
+K__ROW_KERNEL(k_apply_row,
+              (const bnbw_io *io_arg, int64_t n, float mean, float k1, float k2, float k3),
+              (io, n, mean, k1, k2, k3, DT, MDT, CONTIG_))
+K__ROW_KERNEL(k_scale_row, (const bnbw_io *io_arg, int64_t n, float k1),
+              (io, n, k1, DT, MDT, CONTIG_))
+K__ROWS_KERNEL(k_reduce_rows,
+               (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *mean, double *sum_g,
+                double *sum_xg, int streaming, int sums),
+               (io, rows, n, mean, sum_g, sum_xg, streaming, sums, DT, MDT))
+K__ROWS_KERNEL(k_apply_rows,
+               (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *mean,
+                const float *k1, const float *k2, const float *k3),
+               (io, rows, n, mean, k1, k2, k3, DT, MDT))
+K__ROWS_KERNEL(k_scale_rows, (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *k1),
+               (io, rows, n, k1, DT, MDT))
+K__ROWS_KERNEL(k_reduce_row_run,
+               (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *mean,
+                double *sums, int64_t sums_step, int mode),
+               (io, run, n, mean, sums, sums_step, mode, DT, MDT))
+K__ROWS_KERNEL(k_apply_row_run,
+               (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *mean,
+                const float *k1, const float *k2, const float *k3),
+               (io, run, n, mean, k1, k2, k3, DT, MDT))
+K__ROWS_KERNEL(k_scale_row_run,
+               (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *k1),
+               (io, run, n, k1, DT, MDT))
+
+static void K__NAME(reduce_row)(const bnbw_io *io, int64_t n, float mean, double out[2],
+                                int sums)
+{
+    k_reduce_row_variants[k__contiguous(io)][k__variant(io)](io, n, mean, out, sums);
+}
+
+static void K__NAME(apply_row)(const bnbw_io *io, int64_t n, float mean, float k1, float k2,
+                               float k3)
+{
+    k_apply_row_variants[k__contiguous(io)][k__variant(io)](io, n, mean, k1, k2, k3);
+}
+
+static void K__NAME(scale_row)(const bnbw_io *io, int64_t n, float k1)
+{
+    k_scale_row_variants[k__contiguous(io)][k__variant(io)](io, n, k1);
+}
+
+static void K__NAME(reduce_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                                 double *sum_g, double *sum_xg, int streaming, int sums)
+{
+    k_reduce_rows_variants[k__variant(io)](io, rows, n, mean, sum_g, sum_xg, streaming, sums);
+}
+
+static void K__NAME(apply_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                                const float *k1, const float *k2, const float *k3)
+{
+    k_apply_rows_variants[k__variant(io)](io, rows, n, mean, k1, k2, k3);
+}
+
+static void K__NAME(scale_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *k1)
+{
+    k_scale_rows_variants[k__variant(io)](io, rows, n, k1);
+}
+
+static void K__NAME(reduce_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                    const float *mean, double *sums, int64_t sums_step, int mode)
+{
+    k_reduce_row_run_variants[k__variant(io)](io, run, n, mean, sums, sums_step, mode);
+}
+
+static void K__NAME(apply_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                   const float *mean, const float *k1, const float *k2,
+                                   const float *k3)
+{
+    k_apply_row_run_variants[k__variant(io)](io, run, n, mean, k1, k2, k3);
+}
+
+static void K__NAME(scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                   const float *k1)
+{
+    k_scale_row_run_variants[k__variant(io)](io, run, n, k1);
+}
+
+#define K__TABLE_ENTRIES {                                                                  \
+        K__NAME(reduce_row), K__NAME(apply_row), K__NAME(scale_row),                        \
+        K__NAME(reduce_rows), K__NAME(apply_rows), K__NAME(scale_rows),                     \
+        K__NAME(reduce_row_run), K__NAME(apply_row_run), K__NAME(scale_row_run),            \
+    }
