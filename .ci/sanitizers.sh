@@ -30,7 +30,7 @@ fi
 
 # ---- a throwaway copy, without any build products of the working tree ----
 mkdir -p "$work/src"
-tar -C "$root" --exclude=./build --exclude='*.so' --exclude='./bnbw_native/*.c' \
+tar -C "$root" --exclude=./build --exclude='*.so' --exclude='./bnbw_native/_*.c' \
     --exclude=.git --exclude=.hypothesis --exclude=__pycache__ --exclude=.pytest_cache \
     --exclude='./venv*' -cf - . | tar -C "$work/src" -xf -
 

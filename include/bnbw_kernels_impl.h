@@ -39,11 +39,35 @@ BNBW_INLINE vf k__g_part(const bnbw_io *io, int64_t i, int64_t t, int64_t gs, in
     return g;
 }
 
+/* ... held for widening (the exact sums). */
+BNBW_INLINE vw k__gw(const bnbw_io *io, int64_t i, int64_t gs, int64_t ms, int dt, int mdt)
+{
+    vw g = vw_load(io->dy, i, gs, dt);
+    if (mdt != BNBW_NO_MASK)
+        g = vw_keep(g, v_active(io->mask, i, ms, mdt, 0));
+    return g;
+}
+
+BNBW_INLINE vw k__gw_part(const bnbw_io *io, int64_t i, int64_t t, int64_t gs, int64_t ms, int dt,
+                          int mdt)
+{
+    vw g = vw_load_part(io->dy, i, t, gs, dt);
+    if (mdt != BNBW_NO_MASK)
+        g = vw_keep(g, v_active_part(io->mask, i, t, ms, mdt));
+    return g;
+}
+
 /* The exact sums of 16 terms: dy (g) and (x - mean) * g in f64, lane for lane. */
 #define K__ACCUMULATE(G, P, GV, DV) do {                                                    \
         vf k_acc_g = (GV);                                                                  \
         G = vd_add_f32(G, k_acc_g);                                                         \
         P = vd_fma_f32(P, (DV), k_acc_g);                                                   \
+    } while (0)
+/* ... from vw values: the same operations, the form the main loops load */
+#define K__ACCUMULATE_W(G, P, GW, DW) do {                                                  \
+        vw k_acc_g = (GW);                                                                  \
+        G = vd_add_w(G, k_acc_g);                                                           \
+        P = vd_fma_w(P, (DW), k_acc_g);                                                     \
     } while (0)
 
 /* The f32 block sums of 16 terms. */
@@ -95,16 +119,16 @@ BNBW_INLINE void k_reduce_row(const bnbw_io *io, int64_t n, float mean, double o
         }
 #undef K__RUN_TERMS
     }
+    const vw mw = vw_set1(mean);
     for (const int64_t n16 = n - n % 16; i < n16; i += 16)
-        K__ACCUMULATE(G, P, k__g(io, i, gs, ms, dt, mdt, 0),
-                      vf_sub(v_load(io->x, i, xs, dt, 0), m));
+        K__ACCUMULATE_W(G, P, k__gw(io, i, gs, ms, dt, mdt), vw_sub(vw_load(io->x, i, xs, dt), mw));
     if (i < n) {
         /* the last t < 16 elements in lanes 0.., the others an exact identity: g = -0 and
            x - mean = +0 add -0 to both sums, and s + -0 == s for every s, signed zeros too */
         const int64_t t = n - i;
         const vm in = vm_below(t);
-        K__ACCUMULATE(G, P, vf_select(in, k__g_part(io, i, t, gs, ms, dt, mdt), vf_set1(-0.0f)),
-                      vf_keep(vf_sub(v_load_part(io->x, i, t, xs, dt), m), in));
+        K__ACCUMULATE_W(G, P, vw_select(in, k__gw_part(io, i, t, gs, ms, dt, mdt), vw_set1(-0.0f)),
+                        vw_keep(vw_sub(vw_load_part(io->x, i, t, xs, dt), mw), in));
     }
     out[0] = vd_fold(G);
     out[1] = vd_fold(P);
@@ -180,6 +204,15 @@ BNBW_INLINE vf k__g_rows(const bnbw_io *io, int64_t j, int64_t c, int dt, int md
     vf g = v_load(io->dy, j * io->dy_step + c, 1, dt, 0);
     if (mdt != BNBW_NO_MASK)
         g = vf_keep(g, v_active(io->mask, j * io->mask_step + c, 1, mdt, 0));
+    return g;
+}
+
+/* ... held for widening (the exact sums). */
+BNBW_INLINE vw k__gw_rows(const bnbw_io *io, int64_t j, int64_t c, int dt, int mdt)
+{
+    vw g = vw_load(io->dy, j * io->dy_step + c, 1, dt);
+    if (mdt != BNBW_NO_MASK)
+        g = vw_keep(g, v_active(io->mask, j * io->mask_step + c, 1, mdt, 0));
     return g;
 }
 
@@ -307,9 +340,10 @@ BNBW_INLINE void k_reduce_rows(const bnbw_io *io, int64_t rows, int64_t n, const
             int64_t nr = rows - r < group ? rows - r : group;
             for (int64_t c = 0; c < n16; c += 16) {
                 vd G = vd_loadu(sum_g + c), P = vd_loadu(sum_xg + c);
-                const vf mv = vf_loadu(mean + c);
+                const vw mw = vw_loadu(mean + c);
                 for (int64_t j = r; j < r + nr; ++j)
-                    K__ACCUMULATE(G, P, K__G(j, c), vf_sub(K__X(j, c), mv));
+                    K__ACCUMULATE_W(G, P, k__gw_rows(io, j, c, dt, mdt),
+                                    vw_sub(vw_load(io->x, j * io->x_step + c, 1, dt), mw));
                 vd_storeu(sum_g + c, G);
                 vd_storeu(sum_xg + c, P);
             }

@@ -135,6 +135,50 @@ BNBW_INLINE double vd_fold(vd a)
     return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
 }
 
+/* vw: 16 f32 lanes as four 128-bit quarters, each widened by one conversion (no extract:
+ * the exact sums were bound by the shuffle port that the extracts share with them). */
+typedef struct { __m128 q[4]; } vw;
+#define V__QUARTERS(k) for (int k = 0; k < 4; ++k)
+BNBW_INLINE vw vw_set1(float a) { vw r; V__QUARTERS(k) r.q[k] = _mm_set1_ps(a); return r; }
+BNBW_INLINE vw vw_loadu(const float *p) { vw r; V__QUARTERS(k) r.q[k] = _mm_loadu_ps(p + 4 * k); return r; }
+BNBW_INLINE vw vw_sub(vw a, vw b) { V__QUARTERS(k) a.q[k] = _mm_sub_ps(a.q[k], b.q[k]); return a; }
+/* the lanes of a vm as 4 quarter masks */
+BNBW_INLINE void v__quarter_masks(vm m, __m128 q[4])
+{
+    q[0] = _mm256_castps256_ps128(m.lo);
+    q[1] = _mm256_extractf128_ps(m.lo, 1);
+    q[2] = _mm256_castps256_ps128(m.hi);
+    q[3] = _mm256_extractf128_ps(m.hi, 1);
+}
+BNBW_INLINE vw vw_keep(vw a, vm m)
+{
+    __m128 q[4];
+    v__quarter_masks(m, q);
+    V__QUARTERS(k) a.q[k] = _mm_and_ps(a.q[k], q[k]);
+    return a;
+}
+BNBW_INLINE vw vw_select(vm m, vw a, vw b)
+{
+    __m128 q[4];
+    v__quarter_masks(m, q);
+    V__QUARTERS(k) a.q[k] = _mm_blendv_ps(b.q[k], a.q[k], q[k]);
+    return a;
+}
+BNBW_INLINE vd vd_add_w(vd acc, vw a)
+{
+    return v__vd(_mm256_add_pd(acc.a, _mm256_cvtps_pd(a.q[0])),
+                 _mm256_add_pd(acc.b, _mm256_cvtps_pd(a.q[1])),
+                 _mm256_add_pd(acc.c, _mm256_cvtps_pd(a.q[2])),
+                 _mm256_add_pd(acc.d, _mm256_cvtps_pd(a.q[3])));
+}
+BNBW_INLINE vd vd_fma_w(vd acc, vw a, vw b)
+{
+    return v__vd(_mm256_fmadd_pd(_mm256_cvtps_pd(a.q[0]), _mm256_cvtps_pd(b.q[0]), acc.a),
+                 _mm256_fmadd_pd(_mm256_cvtps_pd(a.q[1]), _mm256_cvtps_pd(b.q[1]), acc.b),
+                 _mm256_fmadd_pd(_mm256_cvtps_pd(a.q[2]), _mm256_cvtps_pd(b.q[2]), acc.c),
+                 _mm256_fmadd_pd(_mm256_cvtps_pd(a.q[3]), _mm256_cvtps_pd(b.q[3]), acc.d));
+}
+
 /* ---- rows ------------------------------------------------------------------------------ */
 
 /* 8 halves of type dt as 8 f32 lanes (exact). */
@@ -286,6 +330,31 @@ BNBW_INLINE void v_store(void *row, int64_t i, int64_t step, vf a, int dt, int e
         _mm256_storeu_si256((__m256i *)(void *)((uint16_t *)row + i), v__narrow16(a, dt));
 }
 
+/* Elements i.. (element order) as a vw: contiguous rows quarter by quarter. */
+BNBW_INLINE vw vw_load(const void *row, int64_t i, int64_t step, int dt)
+{
+    vw r;
+    if (step == 1 && dt == BNBW_F32) {
+        V__QUARTERS(k) r.q[k] = _mm_loadu_ps((const float *)row + i + 4 * k);
+        return r;
+    }
+    if (step == 1) {               /* 4 halves (8 bytes) per quarter, widened exactly */
+        const uint16_t *p = (const uint16_t *)row + i;
+        V__QUARTERS(k) {
+            __m128i h = _mm_loadl_epi64((const __m128i *)(const void *)(p + 4 * k));
+            r.q[k] = dt == BNBW_F16 ? _mm_cvtph_ps(h)
+                                    : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+        }
+        return r;
+    }
+    vf a = v_load(row, i, step, dt, 0);
+    r.q[0] = _mm256_castps256_ps128(a.lo);
+    r.q[1] = _mm256_extractf128_ps(a.lo, 1);
+    r.q[2] = _mm256_castps256_ps128(a.hi);
+    r.q[3] = _mm256_extractf128_ps(a.hi, 1);
+    return r;
+}
+
 /* Masked loads and stores touch only the t elements (halves: t/2 whole 32-bit pairs, and the
  * odd one alone); lanes t.. load as +0 and are never stored. */
 BNBW_INLINE vf v_load_part(const void *row, int64_t i, int64_t t, int64_t step, int dt)
@@ -317,6 +386,17 @@ BNBW_INLINE vf v_load_part(const void *row, int64_t i, int64_t t, int64_t step, 
                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     return v__vf(v__widen8(_mm256_castsi256_si128(w), dt),
                  v__widen8(_mm256_extracti128_si256(w, 1), dt));
+}
+
+BNBW_INLINE vw vw_load_part(const void *row, int64_t i, int64_t t, int64_t step, int dt)
+{
+    vf a = v_load_part(row, i, t, step, dt);
+    vw r;
+    r.q[0] = _mm256_castps256_ps128(a.lo);
+    r.q[1] = _mm256_extractf128_ps(a.lo, 1);
+    r.q[2] = _mm256_castps256_ps128(a.hi);
+    r.q[3] = _mm256_extractf128_ps(a.hi, 1);
+    return r;
 }
 
 BNBW_INLINE void v_store_part(void *row, int64_t i, int64_t t, int64_t step, vf a, int dt)

@@ -84,6 +84,31 @@ BNBW_INLINE double vd_fold(vd a)
     return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
 }
 
+/* vw: 16 f32 lanes as two 256-bit halves, each widened by one conversion (no extract). */
+typedef struct { __m256 lo, hi; } vw;
+BNBW_INLINE vw v__vw(__m256 lo, __m256 hi) { vw r = {lo, hi}; return r; }
+BNBW_INLINE vw vw_set1(float a) { return v__vw(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+BNBW_INLINE vw vw_loadu(const float *p) { return v__vw(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+BNBW_INLINE vw vw_sub(vw a, vw b) { return v__vw(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+BNBW_INLINE vw vw_keep(vw a, vm m)
+{
+    return v__vw(_mm256_maskz_mov_ps((__mmask8)m, a.lo), _mm256_maskz_mov_ps((__mmask8)(m >> 8), a.hi));
+}
+BNBW_INLINE vw vw_select(vm m, vw a, vw b)
+{
+    return v__vw(_mm256_mask_blend_ps((__mmask8)m, b.lo, a.lo),
+                 _mm256_mask_blend_ps((__mmask8)(m >> 8), b.hi, a.hi));
+}
+BNBW_INLINE vd vd_add_w(vd acc, vw a)
+{
+    return v__vd(_mm512_add_pd(acc.lo, _mm512_cvtps_pd(a.lo)), _mm512_add_pd(acc.hi, _mm512_cvtps_pd(a.hi)));
+}
+BNBW_INLINE vd vd_fma_w(vd acc, vw a, vw b)
+{
+    return v__vd(_mm512_fmadd_pd(_mm512_cvtps_pd(a.lo), _mm512_cvtps_pd(b.lo), acc.lo),
+                 _mm512_fmadd_pd(_mm512_cvtps_pd(a.hi), _mm512_cvtps_pd(b.hi), acc.hi));
+}
+
 /* ---- rows ------------------------------------------------------------------------------ */
 
 /* Lane l of an even/odd vector holds element V__EO(l); element e sits in lane V__LANE(e). */
@@ -190,6 +215,27 @@ BNBW_INLINE vf v_load(const void *row, int64_t i, int64_t step, int dt, int eo)
     return eo ? _mm512_permutexvar_ps(V__EO_LANES, a) : a;
 }
 
+/* 8 halves (element order) as 8 f32 lanes, exactly. */
+BNBW_INLINE __m256 v__widen8(__m128i h, int dt)
+{
+    if (dt == BNBW_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Elements i.. (element order) as a vw: contiguous rows half by half. */
+BNBW_INLINE vw vw_load(const void *row, int64_t i, int64_t step, int dt)
+{
+    if (step == 1 && dt == BNBW_F32)
+        return vw_loadu((const float *)row + i);
+    if (step == 1) {
+        const __m128i *p = (const __m128i *)(const void *)((const uint16_t *)row + i);
+        return v__vw(v__widen8(_mm_loadu_si128(p), dt), v__widen8(_mm_loadu_si128(p + 1), dt));
+    }
+    vf a = v_load(row, i, step, dt, 0);
+    return v__vw(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+
 BNBW_INLINE void v_store(void *row, int64_t i, int64_t step, vf a, int dt, int eo)
 {
     if (step == 1) {
@@ -253,6 +299,12 @@ BNBW_INLINE vf v_load_part(const void *row, int64_t i, int64_t t, int64_t step, 
     for (int64_t l = 0; l < t; ++l)
         memcpy(buf + l, (const uint16_t *)row + (i + l) * step, 2);
     return v__widen16(_mm256_loadu_si256((const __m256i *)(const void *)buf), dt);
+}
+
+BNBW_INLINE vw vw_load_part(const void *row, int64_t i, int64_t t, int64_t step, int dt)
+{
+    vf a = v_load_part(row, i, t, step, dt);
+    return v__vw(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
 }
 
 BNBW_INLINE void v_store_part(void *row, int64_t i, int64_t t, int64_t step, vf a, int dt)

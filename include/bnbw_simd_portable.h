@@ -4,6 +4,7 @@
  *
  *   vf   16 f32 lanes        vd   16 f64 lanes (lane l of a vd widens lane l of a vf)
  *   vm   16 lane predicates
+ *   vw   16 f32 lanes held the way the layer widens them to f64 cheapest (the exact sums)
  *
  * Rows.  v_load(row, i, step, dt, eo) reads elements i..i+15 of a row of storage type dt whose
  * element e lies at row + e * step elements; eo = 0 puts element i + l in lane l, eo = 1 the
@@ -85,6 +86,16 @@ BNBW_INLINE double vd_fold(vd a)
     return a.v[0];
 }
 
+/* vw: the same values as vf, in registers each body widens without shuffles. */
+typedef vf vw;
+BNBW_INLINE vw vw_set1(float a) { return vf_set1(a); }
+BNBW_INLINE vw vw_loadu(const float *p) { return vf_loadu(p); }
+BNBW_INLINE vw vw_sub(vw a, vw b) { return vf_sub(a, b); }
+BNBW_INLINE vw vw_keep(vw a, vm m) { return vf_keep(a, m); }
+BNBW_INLINE vw vw_select(vm m, vw a, vw b) { return vf_select(m, a, b); }
+BNBW_INLINE vd vd_add_w(vd acc, vw a) { return vd_add_f32(acc, a); }
+BNBW_INLINE vd vd_fma_w(vd acc, vw a, vw b) { return vd_fma_f32(acc, a, b); }
+
 /* ---- rows ------------------------------------------------------------------------------ */
 
 BNBW_INLINE float v__get(const void *row, int64_t e, int dt)
@@ -140,6 +151,16 @@ BNBW_INLINE void v_store_part(void *row, int64_t i, int64_t t, int64_t step, vf 
 {
     for (int64_t l = 0; l < t; ++l)
         v__put(row, (i + l) * step, dt, a.v[l]);
+}
+
+/* Elements i.. (element order) as a vw. */
+BNBW_INLINE vw vw_load(const void *row, int64_t i, int64_t step, int dt)
+{
+    return v_load(row, i, step, dt, 0);
+}
+BNBW_INLINE vw vw_load_part(const void *row, int64_t i, int64_t t, int64_t step, int dt)
+{
+    return v_load_part(row, i, t, step, dt);
 }
 
 BNBW_INLINE int v__active(const void *mask, int64_t e, int mdt)
