@@ -10,22 +10,57 @@ One strided engine (Cython + OpenMP) behind thin front-ends, one per public conv
 * ``bnbw_native.half`` - f32 <-> f16 / bf16 conversion helpers
 * ``bnbw_native.reference`` - the float64 NumPy reference every result is checked against
 """
-from ._config import __version__, get_num_threads, set_num_threads, show_config
+import types as _types
+import typing as _typing
+
+
+def _unbuilt_source_tree() -> "str | None":
+    """The package directory when it is a checkout whose extension modules are not built
+    (typically: Python started in the checkout after `pip install .`), else None."""
+    import importlib.machinery
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.exists(os.path.join(os.path.dirname(here), "setup.py")):
+        return None
+    built = any(os.path.exists(os.path.join(here, "_call" + suffix))
+                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    return None if built else here
+
+
+try:
+    from ._config import __version__, get_num_threads, set_num_threads, show_config
+except ImportError as exc:
+    _tree = _unbuilt_source_tree()
+    if _tree is None:
+        raise
+    raise ImportError(
+        f"bnbw_native is being imported from its source tree ({_tree}), where the extension "
+        "modules are not built. Either build them there (python setup.py build_ext --inplace) "
+        "or start Python from another directory so that the installed bnbw_native is "
+        "imported.") from exc
 from ._graph import BackwardResult, batchnorm_training_backward
 from ._twophase import backward_apply, backward_reduce
 
+if _typing.TYPE_CHECKING:
+    # what type checkers see; at run time these load on first use (__getattr__ below)
+    from . import dml, half, ngraph, onednn, reference
+
 _SUBMODULES = ("autograd", "distributed", "dml", "half", "ngraph", "onednn", "reference")
+# The C API's module: PyCapsule_Import("bnbw_native._capi._C_API"), behind every C caller's
+# bnbw_import(), imports only "bnbw_native" and then looks "_capi" up as an attribute, so the
+# attribute must exist even when nothing imported the submodule yet.
+_LAZY = _SUBMODULES + ("_capi",)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> _types.ModuleType:
     """Submodules load on first use, so `import bnbw_native` stays light."""
-    if name in _SUBMODULES:
+    if name in _LAZY:
         import importlib
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def get_include():
+def get_include() -> str:
     """The directory holding bnbw_native.h and bnbw_half.h, for C extensions."""
     import os
     here = os.path.dirname(os.path.abspath(__file__))

@@ -8,10 +8,13 @@ sets, chosen at run time from what the CPU runs; all give the same bits.  The en
 variable ``BNBW_KERNELS`` (``portable``, ``avx2`` or ``avx512``), read at import, caps the
 choice: for tests, benchmarks, and machines where 512-bit code lowers the clock.
 """
+from __future__ import annotations
+
 import numbers
 import os
 import sys
 import warnings
+from typing import IO, Any, Literal, Optional, overload
 
 import numpy as np
 
@@ -29,7 +32,7 @@ if hasattr(os, "register_at_fork"):
 MAX_THREADS = _call.MAX_THREADS_PY
 
 
-def check_num_threads(value, name="num_threads"):
+def check_num_threads(value: object, name: str = "num_threads") -> Optional[int]:
     """None, or a positive int: the validated request."""
     if value is None:
         return None
@@ -41,14 +44,14 @@ def check_num_threads(value, name="num_threads"):
     return value
 
 
-def set_num_threads(n):
+def set_num_threads(n: Optional[int]) -> None:
     """Set the package default thread count; None (the initial state) follows OpenMP.  The
     default serves every call without num_threads=, C API calls with 0 threads included."""
     n = check_num_threads(n, "n")
     _call.set_default_threads(0 if n is None else min(n, MAX_THREADS))
 
 
-def get_num_threads():
+def get_num_threads() -> int:
     """The thread count a call without ``num_threads=`` would use now."""
     return _call.threads_for(0)
 
@@ -57,7 +60,7 @@ def get_num_threads():
 KERNEL_CAPS = ("portable", "avx2", "avx512")
 
 
-def use_kernels(name):
+def use_kernels(name: Optional[str]) -> Optional[str]:
     """Cap the kernel body at `name` (one of KERNEL_CAPS, or None for no cap) in every module
     and return the previous cap.  A body the CPU cannot run falls back to the best it can."""
     global _kernel_cap
@@ -69,12 +72,12 @@ def use_kernels(name):
     return previous
 
 
-def kernel_body():
+def kernel_body() -> str:
     """The kernel body in use: "portable", "AVX2" or "AVX-512"."""
-    return _call.build_info()["kernels"]
+    return str(_call.build_info()["kernels"])
 
 
-_kernel_cap = None
+_kernel_cap: Optional[str] = None
 _requested = os.environ.get("BNBW_KERNELS")
 if _requested is not None and _requested.strip():
     if _requested.strip().lower() in KERNEL_CAPS:
@@ -85,21 +88,103 @@ if _requested is not None and _requested.strip():
                       stacklevel=2)
 
 
-def show_config(file=None):
-    """Print version, compiler, OpenMP, the kernel body in use and the SIMD paths."""
-    import sysconfig
+def _build_record() -> Optional[dict[str, Any]]:
+    """What setup.py recorded when it built the extension modules, or None (a build by other
+    means)."""
+    import importlib
+    try:
+        record = importlib.import_module(f"{__package__}._build_info")
+    except ImportError:
+        return None
+    return dict(record.BUILD)
 
+
+def _facts() -> dict[str, Any]:
     info = _call.build_info()
+    build = _build_record() or {}
     omp = info["openmp"]
-    cap = "" if _kernel_cap is None else f", capped at {_kernel_cap}"
+    return {
+        "version": __version__,
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "build": {
+            # the compiler that built the extension modules, not this interpreter's
+            "compiler": build.get("compiler") or None,
+            "compile_command": build.get("compile_command"),
+            "extension_flags": build.get("extension_flags"),
+            "python": build.get("python"),
+            "platform": build.get("platform"),
+        },
+        "openmp": {
+            "enabled": bool(omp),
+            "version": int(omp) if omp else None,
+            "note": build.get("openmp_note") or None,
+        },
+        "threads": {
+            "current": get_num_threads(),
+            "default": _call.default_threads() or None,
+        },
+        "kernels": {
+            "in_use": info["kernels"],
+            "cpu": info["cpu_kernels"],
+            "cap": _kernel_cap,
+        },
+        "half_conversion": info["half_path"],
+    }
+
+
+SHOW_CONFIG_MODES = ("stdout", "dicts")
+
+
+@overload
+def show_config(file: Optional[IO[str]] = None, *, mode: Literal["stdout"] = "stdout") -> None:
+    ...
+
+
+@overload
+def show_config(file: Optional[IO[str]] = None, *,
+                mode: Literal["dicts"]) -> dict[str, Any]:
+    ...
+
+
+def show_config(file: Optional[IO[str]] = None, *,
+                mode: str = "stdout") -> Optional[dict[str, Any]]:
+    """Print version, compiler, OpenMP, the kernel body in use and the SIMD paths.
+
+    ``mode="dicts"`` returns the same facts as a dict instead of printing them (compiler and
+    flags are the build's, from the record setup.py writes; None when the package was built
+    another way).
+    """
+    if mode not in SHOW_CONFIG_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, SHOW_CONFIG_MODES))}, "
+                         f"got {mode!r}")
+    facts = _facts()
+    if mode == "dicts":
+        return facts
+    build, omp, kernels = facts["build"], facts["openmp"], facts["kernels"]
+    if build["compile_command"] is None:
+        compiler = "unknown (no build record: not built by this package's setup.py)"
+    else:
+        compiler = build["compiler"] or build["compile_command"][0]
+    if omp["enabled"]:
+        openmp = f"on, version {omp['version']}"
+    else:
+        openmp = "off (serial build" + (f": {omp['note']}" if omp["note"] else "") + ")"
+    cap = "" if kernels["cap"] is None else f", capped at {kernels['cap']}"
     lines = [
-        f"bnbw_native {__version__}",
-        f"python:           {sys.version.split()[0]}, numpy {np.__version__}",
-        f"compiler:         {sysconfig.get_config_var('CC')}",
-        f"OpenMP:           {'on, version ' + str(omp) if omp else 'off (serial build)'}",
-        f"threads:          {get_num_threads()} (default "
-        f"{_call.default_threads() or 'OpenMP'})",
-        f"kernels:          {info['kernels']} (this CPU runs up to {info['cpu_kernels']}{cap})",
-        f"half conversion:  {info['half_path']}",
+        f"bnbw_native {facts['version']}",
+        f"python:           {facts['python']}, numpy {facts['numpy']}",
+        f"compiler:         {compiler}",
+    ]
+    if build["compile_command"] is not None:
+        flags = " ".join(build["compile_command"] + build["extension_flags"])
+        lines.append(f"compile command:  {flags}")
+    lines += [
+        f"OpenMP:           {openmp}",
+        f"threads:          {facts['threads']['current']} (default "
+        f"{facts['threads']['default'] or 'OpenMP'})",
+        f"kernels:          {kernels['in_use']} (this CPU runs up to {kernels['cpu']}{cap})",
+        f"half conversion:  {facts['half_conversion']}",
     ]
     print("\n".join(lines), file=file)
+    return None

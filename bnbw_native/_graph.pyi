@@ -1,0 +1,31 @@
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ._call import Convention
+
+GRAPH: Convention
+
+class BackwardResult(NamedTuple):
+    """diff_src (like src), diff_gamma and diff_beta (length C; None when not computed)."""
+
+    diff_src: NDArray[Any]
+    diff_gamma: NDArray[Any] | None
+    diff_beta: NDArray[Any] | None
+
+def batchnorm_training_backward(
+    src: ArrayLike,
+    diff_dst: ArrayLike,
+    mean: ArrayLike,
+    variance: ArrayLike,
+    gamma: ArrayLike | None = None,
+    *,
+    epsilon: float | np.floating[Any],
+    data_format: Literal["NXC", "NCX"] = "NXC",
+    num_outputs: Literal[1, 3] = 3,
+    out: tuple[Any, ...] | None = None,
+    num_threads: int | None = None,
+    relu_dst: ArrayLike | None = None,
+    diff_residual: Any | None = None,
+) -> BackwardResult: ...

@@ -1,0 +1,53 @@
+"""Every example runs as its docstring says (`python examples/<name>`), in a fresh interpreter
+started outside the checkout, and checks its own results."""
+import pytest
+
+from cext import ROOT, c_compiler, run_python
+
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(relative, tmp_path, args=(), timeout=300):
+    done = run_python([str(EXAMPLES / relative), *args], cwd=tmp_path, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_every_example_is_run_here():
+    """A new example gets a test here (the torch one lives with the distributed tests)."""
+    found = {p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*")
+             if p.suffix in (".py", ".c") and "build" not in p.parts}
+    assert found == {"numpy_arrays.py", "dml_raw_buffers.py", "distributed_gloo.py",
+                     "c_extension/bnbw_c_example.c", "c_extension/setup.py",
+                     "c_extension/run.py"}
+
+
+def test_numpy_arrays(tmp_path):
+    out = run_example("numpy_arrays.py", tmp_path)
+    for line in ("training, NXC", "frozen statistics (num_outputs=1)", "nGraph",
+                 "two phases over 2 ranks", "float16 storage"):
+        assert line in out
+    assert ".astype(np.float32)" in out and "did you mean data_format='NCX'?" in out
+
+
+def test_dml_raw_buffers(tmp_path):
+    out = run_example("dml_raw_buffers.py", tmp_path)
+    assert "training grad, NHWC memory: max error" in out
+    assert "training grad, bfloat16 bits: max error" in out
+    assert "refused: mean: sizes[1]" in out
+
+
+def test_c_extension(tmp_path):
+    """examples/c_extension/run.py builds the C module with its setup.py and calls it before
+    anything imports bnbw_native."""
+    if c_compiler() is None:
+        pytest.skip("no C compiler found (set CC, or install cc/gcc/clang)")
+    out = run_example("c_extension/run.py", tmp_path, args=[str(tmp_path / "build")])
+    assert "called from C" in out
+    assert "epsilon 0 refused: ERROR_EPSILON: epsilon" in out
+
+
+def test_distributed_gloo_example_is_tested_elsewhere():
+    """The torch example needs torch and spawns ranks: tests/test_distributed.py runs it."""
+    text = (ROOT / "tests" / "test_distributed.py").read_text()
+    assert "distributed_gloo.py" in text
