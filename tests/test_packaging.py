@@ -103,7 +103,7 @@ def _source_tree():
     made_here = ("bnbw_native.egg-info/", "build/", "dist/", ".pytest_cache/", ".hypothesis/",
                  ".mypy_cache/", "bench/results/", "bench/.build/")
     return {n for n in _sdist_files(ROOT) if not _built(n) and not n.startswith(made_here)
-            and n not in ("PKG-INFO", "setup.cfg")}
+            and n not in ("PKG-INFO", "setup.cfg", ".gitignore")}
 
 
 def _built(name):
