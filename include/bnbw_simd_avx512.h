@@ -349,6 +349,11 @@ BNBW_INLINE vm v__bools(const unsigned char *p, int64_t i, int64_t t, int64_t st
                             : _mm_maskz_loadu_epi8(vm_below(t), p + i);
         return _mm_test_epi8_mask(b, b);
     }
+    if (step == 2) {               /* every other byte: the low bytes of 16-bit words */
+        __m256i w = _mm256_maskz_loadu_epi8((__mmask32)((1ull << (2 * t - 1)) - 1), p + 2 * i);
+        __m128i b = _mm256_cvtepi16_epi8(w);
+        return _mm_test_epi8_mask(b, b);
+    }
     vm m = 0;
     for (int64_t l = 0; l < t; ++l)
         m |= (vm)((p[(i + l) * step] != 0) << l);
