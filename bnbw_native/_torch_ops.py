@@ -8,7 +8,8 @@
 Registered with torch.library.custom_op, with fake (meta) implementations and an autograd
 formula, so eager mode, torch.compile (the graph holds the operators as opaque calls) and
 torch.func transforms all run the same kernels.  The real implementations read x and dy in
-place through DLPack views and write grad_x straight into the tensor they return.
+place through NumPy views of the tensors' memory and write grad_x straight into the tensor
+they return.
 
 `group` names the torch.distributed group whose statistics and sums are merged: "" for none
 (a plain batch norm), else a key from `group_key` (operators take strings, not groups).
@@ -36,7 +37,8 @@ ENGINE_RELU = False
 # ---- zero-copy views ---------------------------------------------------------------------
 
 def np_view(t):
-    """A NumPy view of a CPU tensor's memory (DLPack; bfloat16 through an int16 view)."""
+    """A NumPy view of a CPU tensor's memory, no copy (bfloat16 through an int16 view).
+    tensor.numpy() shares the memory as DLPack does, at a third of the cost per call."""
     t = t.detach()
     if t.dtype == torch.bfloat16:
         try:
@@ -44,8 +46,8 @@ def np_view(t):
         except ImportError as exc:
             raise TypeError("bfloat16 tensors need ml_dtypes: pip install "
                             "'bnbw_native[bf16]'") from exc
-        return np.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
-    return np.from_dlpack(t)
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 def channel_order(x):
@@ -142,8 +144,7 @@ def _f32(t):
 
 # ---- forward -----------------------------------------------------------------------------
 
-@torch.library.custom_op("bnbw_native::batch_norm_train", mutates_args=())
-def batch_norm_train(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                      relu: bool, group: str, num_threads: Optional[int]
                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Training-mode batch norm of (N, C, *): y (ReLU applied when relu), the batch mean and
@@ -166,6 +167,10 @@ def batch_norm_train(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
     return y, mean, var, torch.tensor(count, dtype=torch.int64)
 
 
+batch_norm_train = torch.library.custom_op("bnbw_native::batch_norm_train", forward_impl,
+                                           mutates_args=())
+
+
 @batch_norm_train.register_fake
 def _(x, weight, bias, eps, relu, group, num_threads):
     _check_params(x, weight, bias)
@@ -178,8 +183,7 @@ def _(x, weight, bias, eps, relu, group, num_threads):
 
 # ---- backward ----------------------------------------------------------------------------
 
-@torch.library.custom_op("bnbw_native::batch_norm_train_backward", mutates_args=())
-def batch_norm_train_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor],
+def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor],
                               mean: Tensor, var: Tensor, relu_out: Optional[Tensor],
                               eps: float, group: str, num_threads: Optional[int],
                               input_grad: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -219,6 +223,10 @@ def batch_norm_train_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor
     return dx, dgamma, dbeta
 
 
+batch_norm_train_backward = torch.library.custom_op("bnbw_native::batch_norm_train_backward",
+                                                    backward_impl, mutates_args=())
+
+
 @batch_norm_train_backward.register_fake
 def _(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad):
     dx = torch.empty_like(x) if input_grad else x.new_empty(0)
@@ -245,25 +253,30 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, var)
 
 
-@once_differentiable
-def _backward(ctx, grad_y, _mean, _var, _count):
+def _grads(ctx, grad_y, backward):
+    """The autograd formula: `backward` is the operator, or its implementation in eager mode."""
     x, weight, mean, var, y = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if not (need_x or need_w or need_b):
         return None, None, None, None, None, None, None
-    dx, dgamma, dbeta = torch.ops.bnbw_native.batch_norm_train_backward(
-        grad_y, x, weight, mean, var, y, ctx.eps, ctx.group, ctx.num_threads, need_x)
+    dx, dgamma, dbeta = backward(grad_y, x, weight, mean, var, y, ctx.eps, ctx.group,
+                                 ctx.num_threads, need_x)
     w_type, b_type = ctx.param_types
     return (dx if need_x else None, dgamma.to(w_type) if need_w else None,
             dbeta.to(b_type) if need_b else None, None, None, None, None)
+
+
+@once_differentiable
+def _backward(ctx, grad_y, _mean, _var, _count):
+    return _grads(ctx, grad_y, torch.ops.bnbw_native.batch_norm_train_backward)
 
 
 batch_norm_train.register_autograd(_backward, setup_context=_setup_context)
 
 
 class BatchNormTrain(torch.autograd.Function):
-    """batch_norm_train with the same formula, for the layers: register_autograd's wrapper has
-    no setup_context in this PyTorch, which torch.func transforms (grad, vjp) require."""
+    """batch_norm_train with the same formula, for torch.func transforms: register_autograd's
+    wrapper has no setup_context in this PyTorch, which they require."""
 
     @staticmethod
     def forward(x, weight, bias, eps, relu, group, num_threads):
@@ -272,3 +285,30 @@ class BatchNormTrain(torch.autograd.Function):
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
+
+
+class EagerBatchNormTrain(torch.autograd.Function):
+    """The same again for plain eager mode, calling the implementations without the
+    dispatcher and the custom-op wrappers (about 60 us less per layer and step)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, _mean, _var, _count):
+        return _grads(ctx, grad_y, backward_impl)
+
+
+def train(x, weight, bias, eps, relu, group, num_threads):
+    """batch_norm_train with its autograd formula: the operator when compiling (the graph
+    holds it), BatchNormTrain under torch.func transforms, EagerBatchNormTrain otherwise."""
+    args = (x, weight, bias, eps, relu, group, num_threads)
+    if torch.compiler.is_compiling():
+        return torch.ops.bnbw_native.batch_norm_train(*args)
+    if torch._C._are_functorch_transforms_active():
+        return BatchNormTrain.apply(*args)
+    return EagerBatchNormTrain.apply(*args)

@@ -71,7 +71,7 @@ def batch_norm(x, weight=None, bias=None, *, eps=1e-5, relu=False, num_threads=N
     if x.numel() == 0:
         raise ValueError("batch norm in training mode needs at least one value per channel; "
                          f"got input of shape {tuple(x.shape)}")
-    return _torch_ops.BatchNormTrain.apply(x, weight, bias, float(eps), bool(relu), "",
+    return _torch_ops.train(x, weight, bias, float(eps), bool(relu), "",
                                            num_threads)[0]
 
 
@@ -132,7 +132,7 @@ class BatchNorm(torch.nn.Module):
         if not group and x.numel() <= x.shape[1]:
             raise ValueError(f"expected more than 1 value per channel when training, got "
                              f"input of shape {tuple(x.shape)}")
-        y, mean, var, count = _torch_ops.BatchNormTrain.apply(
+        y, mean, var, count = _torch_ops.train(
             x, self.weight, self.bias, self.eps, self._relu, group, self.num_threads)
         if group:
             if int(count) <= 1:        # the count of every rank, known after the merge
