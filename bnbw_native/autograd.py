@@ -14,7 +14,7 @@ Design:
   y = (x - mean) / sqrt(var + eps) * weight + bias by torch's own batch_norm with those
   statistics (and ReLU in place for the fused layers).  The Sync layers gather (count, mean,
   M2) of every rank and merge them in rank order in float64, so every rank holds the same bits.
-* Backward: x and dy reach the kernel through DLPack views of the torch tensors and dx is
+* Backward: x and dy reach the kernel as NumPy views of the torch tensors' memory and dx is
   written straight into the tensor handed back to autograd: no copy.  Channels-first tensors
   go as they are with data_format "NCX"; channels-last ones as their (N, *spatial, C) view with
   "NXC"; any other strides are read in place too.  The fused layers keep their output y for

@@ -353,3 +353,28 @@ def test_sync_batchnorm_relu_equals_the_whole_batch(three_ranks, tag):
     db = sum(torch.from_numpy(res[f"{tag}_db"]).double() for res in ranks)
     assert rel_err(dw, ref.weight.grad) <= 1e-5
     assert rel_err(db, ref.bias.grad) <= 1e-5
+
+
+# ---- the example ----------------------------------------------------------------------------
+
+EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "train_resnet_fused.py")
+
+
+@pytest.mark.skipif(not os.path.exists(EXAMPLE), reason="examples/ is not beside tests/")
+@pytest.mark.parametrize("layout", [[], pytest.param(["--channels-last"], marks=pytest.mark.slow)],
+                         ids=["NCHW", "channels_last"])
+def test_resnet_example_runs(layout):
+    import bnbw_native
+    root = os.path.dirname(os.path.dirname(os.path.abspath(bnbw_native.__file__)))
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""))
+    done = subprocess.run([sys.executable, EXAMPLE, "--short"] + layout, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "4 BatchNormReLU + 5 BatchNorm" in out and "gradients match plain torch" in out
+    losses = [line.split() for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3
+    for words in losses:                 # the two copies train alike
+        assert abs(float(words[4]) - float(words[6])) <= 1e-4 * abs(float(words[4]))
+    assert "time per training step" in out
