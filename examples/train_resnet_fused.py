@@ -10,7 +10,10 @@ becomes nn.Identity, so parameter names and state-dict keys stay).  The batch no
 precede a residual add are converted to BatchNorm, unfused.
 
 1. Gradients: one training step of the fused network and of plain torch on the same batch,
-   both float32, against plain torch in float64 on that batch.
+   both float32, against plain torch in float64 on that batch.  The float64 run takes its ReLU
+   masks from the float32 run it checks: an activation within rounding of 0 may fall on
+   either side in float32 and float64, and one such element moves a whole weight gradient by
+   up to ~1e-3 in a network this size, in plain torch as much as in the fused one.
 2. Training: a few SGD steps of both copies from the same start, losses side by side.
 3. Time per training step (forward, backward, optimizer), fused vs plain torch, interleaved.
 """
@@ -38,8 +41,10 @@ class Block(torch.nn.Module):
             self.skip = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False),
                                             torch.nn.BatchNorm2d(cout))
 
+        self.act = torch.nn.ReLU()
+
     def forward(self, x):
-        return torch.relu(self.body(x) + self.skip(x))
+        return self.act(self.body(x) + self.skip(x))
 
 
 def resnet(width, classes=10):
@@ -57,14 +62,48 @@ def batch(n, size, memory_format, seed):
     return images.contiguous(memory_format=memory_format), labels
 
 
+class Masked(torch.nn.Module):
+    """A ReLU whose mask is given: what the float64 reference runs."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, x):
+        return torch.where(self.mask, x, torch.zeros((), dtype=x.dtype))
+
+
+def relu_site(name, module):
+    """The name of the plain network's ReLU a module stands for: a ReLU's own, or for a
+    BatchNormReLU the next name in its Sequential (where the ReLU was)."""
+    if isinstance(module, BatchNormReLU):
+        parent, _, index = name.rpartition(".")
+        return f"{parent}.{int(index) + 1}" if parent else str(int(index) + 1)
+    return name
+
+
 def gradients(net, images, labels):
+    """Parameter gradients of one step, and where every ReLU was active (by plain name)."""
+    masks = {}
+    hooks = [m.register_forward_hook(
+        lambda mod, inp, out, site=relu_site(name, m): masks.__setitem__(site, out > 0))
+        for name, m in net.named_modules() if isinstance(m, (torch.nn.ReLU, BatchNormReLU))]
     net.zero_grad()
     torch.nn.functional.cross_entropy(net(images), labels).backward()
-    return {name: p.grad.detach().double().clone() for name, p in net.named_parameters()}
+    for hook in hooks:
+        hook.remove()
+    return {name: p.grad.detach().double().clone() for name, p in net.named_parameters()}, masks
 
 
-def worst_error(got, ref):
-    """The largest gradient error, each parameter norm-wise: max |got - ref| / max |ref|."""
+def float64_error(net, plain, images, labels):
+    """The worst parameter gradient error of `net` (each norm-wise: max |got - ref| / max |ref|)
+    against plain torch in float64 with the same ReLU masks."""
+    got, masks = gradients(net, images, labels)
+    ref_net = copy.deepcopy(plain).double()
+    for site, mask in masks.items():
+        parent, _, child = site.rpartition(".")
+        ref_net.get_submodule(parent).add_module(child, Masked(mask))
+    ref, _ = gradients(ref_net, images.double(), labels)
     return max(float((got[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in ref)
 
 
@@ -96,13 +135,15 @@ def main():
 
     # 1. gradients of one step against plain torch in float64
     images, labels = batch(args.batch, args.size, fmt, seed=1)
-    ref = gradients(copy.deepcopy(plain).double(), images.double(), labels)
-    err_fused = worst_error(gradients(fused, images, labels), ref)
-    err_plain = worst_error(gradients(plain, images, labels), ref)
+    start = copy.deepcopy(plain)            # both copies see the same running statistics
+    err_fused = float64_error(fused, start, images, labels)
+    err_plain = float64_error(plain, start, images, labels)
     print(f"gradients vs float64 torch: fused {err_fused:.1e}, plain torch float32 "
           f"{err_plain:.1e}")
-    if err_fused > 1e-4:
-        raise SystemExit(f"gradients differ from torch's by {err_fused:.1e}")
+    # the convolutions' float32 sums dominate both errors: no worse than torch's own
+    if err_fused > 2 * err_plain + 1e-6:
+        raise SystemExit(f"gradients differ from float64 torch by {err_fused:.1e}, plain "
+                         f"torch float32 by {err_plain:.1e}")
     print("gradients match plain torch")
 
     # 2. a few SGD steps of both copies from the same start
