@@ -156,6 +156,9 @@ def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], ep
     count, mean, m2 = _moments(np_view(x.permute(perm)), data_format, channels, num_threads)
     if group:
         count, mean, m2 = _merge_ranks(count, mean, m2, _group(group))
+        if count <= 1:      # the same on every rank: all of them raise
+            raise ValueError(f"expected more than 1 value per channel when training, got "
+                             f"{count} over the process group")
     if count == 0:
         raise ValueError("batch norm in training mode needs at least one value per channel; "
                          f"got input of shape {tuple(x.shape)}")

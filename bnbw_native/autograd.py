@@ -134,11 +134,7 @@ class BatchNorm(torch.nn.Module):
                              f"input of shape {tuple(x.shape)}")
         y, mean, var, count = _torch_ops.train(
             x, self.weight, self.bias, self.eps, self._relu, group, self.num_threads)
-        if group:
-            if int(count) <= 1:        # the count of every rank, known after the merge
-                raise ValueError(f"expected more than 1 value per channel when training, got "
-                                 f"{int(count)} over the process group")
-        else:
+        if not group:       # else the operator's tensor: every rank's rows
             count = x.numel() // x.shape[1]
         if self.track_running_stats:
             with torch.no_grad():

@@ -355,6 +355,13 @@ def test_sync_batchnorm_relu_equals_the_whole_batch(three_ranks, tag):
     assert rel_err(db, ref.bias.grad) <= 1e-5
 
 
+def test_sync_batchnorm_relu_compiles_to_the_same_bits(three_ranks):
+    # torch.compile(fullgraph=True) with the group inside the operators; the ranks compare
+    # compiled and eager results bit for bit
+    _, ranks = three_ranks
+    assert all(bool(res["compiled_equal"]) for res in ranks)
+
+
 # ---- the example ----------------------------------------------------------------------------
 
 EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "train_resnet_fused.py")

@@ -7,6 +7,7 @@ runs every case and saves the results to OUT_DIR/rank<RANK>.npz for the parent t
 against single-process results.  Exits non-zero on any error; the parent's timeout catches
 hangs.
 """
+import copy
 import datetime
 import sys
 
@@ -77,6 +78,16 @@ def main(rank, world, data_path, out_dir):
                       f"{tag}_rm": bn.running_mean.numpy(),
                       f"{tag}_rv": bn.running_var.numpy(),
                       f"{tag}_dx_format": np.array(xin.grad.is_contiguous(memory_format=fmt))})
+
+    # the fused layer compiled (aot_eager, one graph): the same bits as in eager mode
+    eager = SyncBatchNormReLU(len(mean), eps=eps, num_threads=1)
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True)
+    results = []
+    for layer in (eager, compiled):
+        xin = xt.clone().contiguous(memory_format=torch.channels_last).requires_grad_()
+        (layer(xin) * dyt).sum().backward()
+        results.append([xin.grad, layer.weight.grad, layer.bias.grad, layer.running_var])
+    saved["compiled_equal"] = np.array(all(torch.equal(a, b) for a, b in zip(*results)))
 
     dist.barrier()
     dist.destroy_process_group()
