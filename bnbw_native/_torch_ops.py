@@ -145,8 +145,8 @@ def _f32(t):
 # ---- forward -----------------------------------------------------------------------------
 
 def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                     relu: bool, group: str, num_threads: Optional[int]
-                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                 relu: bool, group: str, num_threads: Optional[int]
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Training-mode batch norm of (N, C, *): y (ReLU applied when relu), the batch mean and
     biased variance (float32) and the element count per channel (int64, all ranks of the
     group)."""
@@ -186,10 +186,10 @@ def _(x, weight, bias, eps, relu, group, num_threads):
 
 # ---- backward ----------------------------------------------------------------------------
 
-def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor],
-                              mean: Tensor, var: Tensor, relu_out: Optional[Tensor],
-                              eps: float, group: str, num_threads: Optional[int],
-                              input_grad: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor,
+                  var: Tensor, relu_out: Optional[Tensor], eps: float, group: str,
+                  num_threads: Optional[int], input_grad: bool
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias) of batch_norm_train; grad_x is empty unless
     input_grad.  The parameter gradients are this rank's (float32, whatever weight's type)."""
     perm, data_format = channel_order(x)
