@@ -255,6 +255,21 @@ def test_convert_fuses_relus_and_keeps_keys(inplace):
         torch.testing.assert_close(a.to(b.dtype), b, rtol=1e-6, atol=1e-7)
 
 
+def test_convert_fuses_batchnorm3d():
+    torch.manual_seed(1)
+    ref = torch.nn.Sequential(torch.nn.Conv3d(2, 4, 3, padding=1), torch.nn.BatchNorm3d(4),
+                              torch.nn.ReLU(inplace=True))
+    net = bag.convert_batchnorm(copy.deepcopy(ref), fuse_relu=True)
+    assert type(net[1]) is bag.BatchNormReLU and type(net[2]) is torch.nn.Identity
+    x = torch.randn(3, 2, 4, 5, 6, generator=torch.Generator().manual_seed(2))
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    net(x32).square().sum().backward()
+    copy.deepcopy(ref).double()(x64).square().sum().backward()
+    assert x32.grad.is_contiguous(memory_format=torch.channels_last_3d)
+    assert rel_err(x32.grad, x64.grad) <= 1e-5
+
+
 def test_convert_without_fuse_keeps_relus():
     net = bag.convert_batchnorm(torch_net())
     assert type(net[1]) is bag.BatchNorm and type(net[2]) is torch.nn.ReLU
