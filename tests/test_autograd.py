@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from bnbw_native import autograd as bag  # noqa: E402  (after the importorskip)
+from bnbw_native import _torch_ops as ops  # noqa: E402
 
 try:
     import ml_dtypes
@@ -28,13 +29,16 @@ TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchN
             5: torch.nn.BatchNorm3d}
 
 
-def run(layer, x, g, dtype=None):
-    """y, dx, dweight, dbias for the loss sum(y * g); x is copied, its layout kept."""
+def run(layer, x, g, dtype=None, relu=False):
+    """y, dx, dweight, dbias for the loss sum(y * g) (y = relu(layer(x)) when relu); x is
+    copied, its layout kept."""
     x = x.detach().clone(memory_format=torch.preserve_format)
     if dtype is not None:
         x, g = x.to(dtype), g.to(dtype)
     x.requires_grad_()
     y = layer(x)
+    if relu:
+        y = torch.relu(y)
     (y * g).sum().backward()
     grads = [x.grad]
     if layer.weight is not None:
@@ -157,13 +161,13 @@ def test_parameters_only_match_the_full_backward():
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCX", "NXC"])
 def test_backward_hands_views_to_the_kernel(monkeypatch, channels_last):
     seen = {}
-    kernel = bag.batchnorm_training_backward
+    kernel = ops.batchnorm_training_backward
 
     def spy(x, dy, mean, variance, gamma, **kw):
         seen.update(x=x, dy=dy, out=kw["out"][0], data_format=kw["data_format"])
         return kernel(x, dy, mean, variance, gamma, **kw)
 
-    monkeypatch.setattr(bag, "batchnorm_training_backward", spy)
+    monkeypatch.setattr(ops, "batchnorm_training_backward", spy)
     x, g = data((4, 8, 6, 5), channels_last=channels_last)
     g = g.contiguous(memory_format=torch.channels_last if channels_last else
                      torch.contiguous_format)
@@ -206,6 +210,38 @@ def test_functional_batch_norm():
     (y64 * g.double()).sum().backward()
     for a, c in ((xin.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
         assert rel_err(a, c) <= 1e-6
+
+
+@pytest.mark.parametrize("cls", [bag.BatchNorm, bag.BatchNormReLU])
+def test_float64_runs_torch_and_gradchecks(cls):
+    # float64 input runs torch's own kernels (the bnbw_native kernels take no float64):
+    # the same bits as torch's layers, and torch.autograd.gradcheck applies
+    x, g = data((5, 3, 4, 4), seed=9)
+    ours, ref = pair(3)
+    ours = cls(3).double()
+    ours.load_state_dict(ref.state_dict())
+    ref = ref.double()
+    got = run(ours, x, g, torch.float64)
+    want = run(ref, x, g, torch.float64, relu=cls is bag.BatchNormReLU)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(ours.running_var, ref.running_var)
+    layer = cls(3, track_running_stats=False).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([0.5, 1.0, 2.0]))
+        layer.bias.copy_(torch.tensor([0.3, -0.2, 0.1]))   # keeps ReLU inputs off 0
+    inputs = (x[:3, :, :2, :3].double().requires_grad_(),)
+    assert torch.autograd.gradcheck(layer, inputs)
+
+
+def test_float64_functional():
+    x, g = data((5, 3, 4), seed=10)
+    x64 = x.double().requires_grad_()
+    w = torch.rand(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: bag.batch_norm(x, w, None, relu=True),
+                                    (x64[:3, :, :2].detach().requires_grad_(), w))
+    with pytest.raises(TypeError, match="weight must be float64"):
+        bag.batch_norm(x64, w.float())
 
 
 # ---- modules ------------------------------------------------------------------------------
@@ -272,11 +308,11 @@ def test_training_follows_batchnorm2d(channels_last):
 
 @pytest.mark.parametrize("x,error,match", [
     (torch.ones(4, 5, 3), ValueError, "num_features"),
-    (torch.ones(4, 3, 2, dtype=torch.float64), TypeError, "float32"),
+    (torch.ones(4, 3, 2, dtype=torch.float64), TypeError, r"weight must be float64.*double"),
     (torch.ones(4, 3, dtype=torch.int32), TypeError, "float32"),
     (torch.ones(1, 3), ValueError, "more than 1 value"),
     (np.ones((4, 3), np.float32), TypeError, "torch.Tensor"),
-], ids=["channels", "float64", "int", "one-value", "ndarray"])
+], ids=["channels", "float64-into-float32-layer", "int", "one-value", "ndarray"])
 def test_bad_input_is_refused(x, error, match):
     with pytest.raises(error, match=match):
         bag.BatchNorm(3)(x)

@@ -7,6 +7,7 @@ runs every case and saves the results to OUT_DIR/rank<RANK>.npz for the parent t
 against single-process results.  Exits non-zero on any error; the parent's timeout catches
 hangs.
 """
+import copy
 import datetime
 import sys
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bnbw_native.autograd import SyncBatchNorm
+from bnbw_native.autograd import SyncBatchNorm, SyncBatchNormReLU, convert_batchnorm
 from bnbw_native.distributed import sync_batchnorm_backward
 
 
@@ -52,21 +53,41 @@ def main(rank, world, data_path, out_dir):
     saved.update(ncx_dx=out[0].numpy(), ncx_dgamma=out[1].numpy(), ncx_dbeta=out[2].numpy(),
                  ncx_out_views=np.array(views))
 
-    # the SyncBatchNorm module, channels-first and channels-last input
-    for tag, fmt in (("mod_cf", torch.contiguous_format), ("mod_cl", torch.channels_last)):
-        layer = SyncBatchNorm(len(mean), eps=eps, num_threads=1)
+    # the SyncBatchNorm module, channels-first and channels-last input; then the fused
+    # SyncBatchNormReLU, built directly and by convert_batchnorm from BatchNorm2d + ReLU
+    relu_net = torch.nn.Sequential(torch.nn.BatchNorm2d(len(mean), eps=eps),
+                                   torch.nn.ReLU(inplace=True))
+    relu_net = convert_batchnorm(relu_net, sync=True, fuse_relu=True, num_threads=1)
+    for tag, fmt, layer in (
+            ("mod_cf", torch.contiguous_format, SyncBatchNorm(len(mean), eps=eps, num_threads=1)),
+            ("mod_cl", torch.channels_last, SyncBatchNorm(len(mean), eps=eps, num_threads=1)),
+            ("modrelu_cf", torch.contiguous_format,
+             SyncBatchNormReLU(len(mean), eps=eps, num_threads=1)),
+            ("modrelu_cl", torch.channels_last, relu_net)):
+        bn = layer if isinstance(layer, SyncBatchNorm) else layer[0]
+        assert isinstance(bn, SyncBatchNormReLU) == tag.startswith("modrelu")
         with torch.no_grad():
-            layer.weight.copy_(torch.from_numpy(gamma))
-            layer.bias.copy_(torch.from_numpy(data["beta"]))
+            bn.weight.copy_(torch.from_numpy(gamma))
+            bn.bias.copy_(torch.from_numpy(data["beta"]))
         xin = xt.clone().contiguous(memory_format=fmt).requires_grad_()
         y = layer(xin)
         (y * dyt).sum().backward()          # the loss of the whole batch is the sum over ranks
         saved.update({f"{tag}_y": y.detach().numpy(), f"{tag}_dx": xin.grad.numpy(),
-                      f"{tag}_dw": layer.weight.grad.numpy(),
-                      f"{tag}_db": layer.bias.grad.numpy(),
-                      f"{tag}_rm": layer.running_mean.numpy(),
-                      f"{tag}_rv": layer.running_var.numpy(),
+                      f"{tag}_dw": bn.weight.grad.numpy(),
+                      f"{tag}_db": bn.bias.grad.numpy(),
+                      f"{tag}_rm": bn.running_mean.numpy(),
+                      f"{tag}_rv": bn.running_var.numpy(),
                       f"{tag}_dx_format": np.array(xin.grad.is_contiguous(memory_format=fmt))})
+
+    # the fused layer compiled (aot_eager, one graph): the same bits as in eager mode
+    eager = SyncBatchNormReLU(len(mean), eps=eps, num_threads=1)
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True)
+    results = []
+    for layer in (eager, compiled):
+        xin = xt.clone().contiguous(memory_format=torch.channels_last).requires_grad_()
+        (layer(xin) * dyt).sum().backward()
+        results.append([xin.grad, layer.weight.grad, layer.bias.grad, layer.running_var])
+    saved["compiled_equal"] = np.array(all(torch.equal(a, b) for a, b in zip(*results)))
 
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,192 @@
+"""The PyTorch layers as custom operators: torch.compile (aot_eager and inductor), torch.func
+and torch.library.opcheck, each against eager mode, torch's own layers or float64.
+
+Every compiled run uses fullgraph=True, so a graph break around the layers (which would run
+them eagerly and prove nothing) fails the test, and the fast test also checks that the
+operators are in the forward and backward graphs AOTAutograd produced.
+"""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from bnbw_native import _torch_ops  # noqa: E402  (after the importorskip)
+from bnbw_native import autograd as bag  # noqa: E402
+
+
+def rel_err(got, ref):
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def small_net(seed=0):
+    """conv-BN-ReLU twice (one ReLU in place), pooled to 3 logits; torch layers."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(inplace=True), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(8, 3))
+
+
+def step(net, x):
+    """Loss, gradients of every parameter, and the buffers after one forward/backward."""
+    net.zero_grad()
+    loss = net(x).square().mean()
+    loss.backward()
+    return (loss.detach(), [p.grad.clone() for p in net.parameters()],
+            [b.clone() for b in net.buffers()])
+
+
+def compare(got, want, tol):
+    (loss_g, grads_g, bufs_g), (loss_w, grads_w, bufs_w) = got, want
+    if tol == 0:
+        assert torch.equal(loss_g, loss_w)
+        assert all(torch.equal(a, b) for a, b in zip(grads_g, grads_w))
+        assert all(torch.equal(a, b) for a, b in zip(bufs_g, bufs_w))
+    else:
+        assert rel_err(loss_g, loss_w) <= tol
+        for a, b in zip(grads_g + bufs_g, grads_w + bufs_w):
+            assert rel_err(a, b) <= tol
+
+
+def recording_backend(graphs):
+    """aot_eager that keeps the forward and backward graphs' text."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = graphs.get(kind, "") + gm.code
+            return make_boxed_func(gm.forward)
+        return compiler
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+@pytest.mark.parametrize("fuse_relu", [False, True], ids=["BatchNorm", "BatchNormReLU"])
+def test_aot_eager_runs_the_operators_and_equals_eager(fuse_relu):
+    torch._dynamo.reset()
+    eager = bag.convert_batchnorm(small_net(), fuse_relu=fuse_relu)
+    assert isinstance(eager[1], bag.BatchNormReLU if fuse_relu else bag.BatchNorm)
+    compiled = copy.deepcopy(eager)
+    graphs = {}
+    fn = torch.compile(compiled, backend=recording_backend(graphs), fullgraph=True)
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):            # running statistics move: the second step reads them
+        compare(step(fn, x), step(eager, x), tol=0)
+    assert graphs["forward"].count("bnbw_native.batch_norm_train.default") == 2
+    assert graphs["backward"].count("bnbw_native.batch_norm_train_backward.default") == 2
+
+
+def test_aot_eager_channels_last_and_dynamic_batch():
+    torch._dynamo.reset()
+    eager = bag.convert_batchnorm(small_net(1), fuse_relu=True).to(
+        memory_format=torch.channels_last)
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True,
+                             dynamic=True)
+    g = torch.Generator().manual_seed(2)
+    for n in (4, 7, 5):
+        x = torch.randn(n, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        compiled(xc).sum().backward()
+        eager(xe).sum().backward()
+        assert xc.grad.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(xc.grad, xe.grad)
+    for a, b in zip(compiled.state_dict().values(), eager.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fuse_relu", [
+    pytest.param(False, marks=pytest.mark.slow),      # ~20 s with a cold inductor cache
+    True], ids=["BatchNorm", "BatchNormReLU"])
+def test_inductor_equals_eager(fuse_relu):
+    # inductor generates and compiles C++ for everything around the operators; it must run
+    # here (a missing compiler fails the test, not skips it)
+    torch._dynamo.reset()
+    eager = bag.convert_batchnorm(small_net(2), fuse_relu=fuse_relu)
+    compiled = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        # the operators give the same bits; inductor's own fused kernels (pooling, loss)
+        # round differently from eager
+        compare(step(compiled, x), step(eager, x), tol=1e-5)
+
+
+def test_torch_func_grad_matches_batchnorm2d():
+    # functional_call with the buffers passed in, as torch's own BatchNorm2d needs under
+    # torch.func; the layers give torch.func.grad the gradient of torch's layers
+    from torch.func import functional_call, grad
+    x = torch.randn(8, 4, 5, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for ours, ref in ((bag.BatchNorm(4), torch.nn.BatchNorm2d(4)),
+                      (bag.BatchNormReLU(4),
+                       torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU()))):
+        with torch.no_grad():
+            ours.weight.copy_(torch.linspace(0.5, 1.5, 4))
+            ours.bias.copy_(torch.linspace(-0.5, 0.5, 4))
+        ref.load_state_dict(ours.state_dict() if isinstance(ref, torch.nn.BatchNorm2d) else
+                            {f"0.{k}": v for k, v in ours.state_dict().items()})
+        ref = ref.double()
+
+        def loss(module, params, buffers, x):
+            y = functional_call(module, (params, buffers), (x,))
+            return (y * torch.cos(x)).sum()
+
+        params = dict(ours.named_parameters())
+        got = grad(loss, argnums=(1, 3))(ours, params, dict(ours.named_buffers()), x.float())
+        want = grad(loss, argnums=(1, 3))(ref, dict(ref.named_parameters()),
+                                         dict(ref.named_buffers()), x)
+        assert rel_err(got[1], want[1]) <= 1e-6
+        for a, b in zip(got[0].values(), want[0].values()):
+            assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+@pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn-relu"])
+def test_opcheck(channels_last, relu):
+    # schema, fake implementations (shapes, strides, dtypes) and autograd registration
+    # against the real operators
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, 5, 6, generator=g)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w, b = torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), 1e-5, relu, "", None)
+    torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train.default, args)
+    y, mean, var, _ = torch.ops.bnbw_native.batch_norm_train(*(a.detach() if torch.is_tensor(a)
+                                                               else a for a in args))
+    for input_grad in (True, False):
+        torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train_backward.default,
+                              (torch.randn(y.shape, generator=g), x.detach(), w.detach(),
+                               mean, var, y if relu else None, 1e-5, "", None, input_grad))
+
+
+def test_operator_autograd_equals_the_layer():
+    # the operator's registered autograd formula (direct callers of torch.ops) gives the
+    # layer's gradients bit for bit
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 4, 3, 3, generator=g)
+    dy = torch.randn(x.shape, generator=g)
+    layer = bag.BatchNormReLU(4, track_running_stats=False)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (layer(x1) * dy).sum().backward()
+    w = layer.weight.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    y = torch.ops.bnbw_native.batch_norm_train(x2, w, b, layer.eps, True, "", None)[0]
+    (y * dy).sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+    assert torch.equal(layer.weight.grad, w.grad) and torch.equal(layer.bias.grad, b.grad)
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(6, 3, 4, 4, requires_grad=True)
+    y = bag.BatchNorm(3)(x)
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()
+
+
+def test_operators_live_in_the_package_namespace():
+    assert torch.ops.bnbw_native.batch_norm_train.default.name() == \
+        "bnbw_native::batch_norm_train"
+    assert _torch_ops.batch_norm_train._qualname == "bnbw_native::batch_norm_train"
