@@ -28,10 +28,10 @@ from ._twophase import backward_reduce
 
 STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 
-# The engine can mask the gradient itself (relu_dst=), in the same passes.  Its masked rows
-# are staged element by element today, several times slower than torch's threshold_backward
-# followed by the plain kernel writing dx over the masked gradient, so the layers do that.
-ENGINE_RELU = False
+# The engine masks the gradient itself (relu_dst=: the layer's output, read in both passes)
+# rather than after torch's threshold_backward, which costs a pass and a tensor of its own.
+# False: threshold_backward, then the plain kernel writes dx over the masked gradient.
+ENGINE_RELU = True
 
 
 # ---- zero-copy views ---------------------------------------------------------------------

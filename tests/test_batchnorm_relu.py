@@ -153,33 +153,37 @@ def test_zero_outputs_are_inactive():
 
 
 def test_backward_hands_views_to_the_kernel(monkeypatch):
-    # x read in place, dx written in place over the masked gradient, which is the tensor
-    # handed back to autograd
+    # x, the incoming gradient and the layer's output (the ReLU mask) read in place, dx written
+    # in place into the tensor handed back to autograd
     seen = {}
     kernel = ops.batchnorm_training_backward
 
     def spy(x, dy, mean, variance, gamma, **kw):
-        seen.update(x=x, dy=dy, out=kw["out"][0], data_format=kw["data_format"])
+        seen.update(x=x, dy=dy, out=kw["out"][0], data_format=kw["data_format"],
+                    relu_dst=kw["relu_dst"])
         return kernel(x, dy, mean, variance, gamma, **kw)
 
     monkeypatch.setattr(ops, "batchnorm_training_backward", spy)
     x, g = data((4, 8, 6, 5), memory_format=torch.channels_last)
     xin = x.clone(memory_format=torch.preserve_format).requires_grad_()
-    bag.BatchNormReLU(8)(xin).backward(g.contiguous(memory_format=torch.channels_last))
+    y = bag.BatchNormReLU(8)(xin)
+    grad = g.contiguous(memory_format=torch.channels_last)
+    y.backward(grad)
     assert seen["data_format"] == "NXC"
     assert seen["x"].__array_interface__["data"][0] == xin.data_ptr()
+    assert seen["dy"].__array_interface__["data"][0] == grad.data_ptr()
+    assert seen["relu_dst"].__array_interface__["data"][0] == y.data_ptr()
     assert seen["out"].__array_interface__["data"][0] == xin.grad.data_ptr()
-    assert seen["dy"].__array_interface__["data"][0] == xin.grad.data_ptr()
 
 
 def test_engine_mask_gives_the_same_bits(monkeypatch):
-    # the layers mask the gradient with torch's threshold_backward; the engine's own mask
-    # (relu_dst=) must give the very same results, for when it is the faster way
+    # the layers mask the gradient in the engine (relu_dst=); torch's threshold_backward
+    # followed by the plain kernel must give the very same results
     x, g = data((5, 6, 7, 3), seed=6, memory_format=torch.channels_last)
     ours, _ = pair(6)
     twin = copy.deepcopy(ours)
     first = run(ours, x, g)
-    monkeypatch.setattr(ops, "ENGINE_RELU", True)
+    monkeypatch.setattr(ops, "ENGINE_RELU", False)
     second = run(twin, x, g)
     for a, b in zip(first, second):
         assert torch.equal(a, b)

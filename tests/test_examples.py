@@ -14,10 +14,12 @@ def run_example(relative, tmp_path, args=(), timeout=300):
 
 
 def test_every_example_is_run_here():
-    """A new example gets a test here (the torch one lives with the distributed tests)."""
+    """A new example gets a test here (the torch ones live with the distributed and the fused
+    ReLU tests)."""
     found = {p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*")
              if p.suffix in (".py", ".c") and "build" not in p.parts}
     assert found == {"numpy_arrays.py", "dml_raw_buffers.py", "distributed_gloo.py",
+                     "train_resnet_fused.py", "bench_torch_layers.py",
                      "c_extension/bnbw_c_example.c", "c_extension/setup.py",
                      "c_extension/run.py"}
 
