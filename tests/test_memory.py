@@ -23,6 +23,10 @@ import pytest
 import bnbw_native
 from bnbw_native import dml, ngraph, onednn
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
+import procmem  # noqa: E402  (the benchmark's memory readings)
+
 EPS = 1e-3
 CALLS = 10_000
 
@@ -66,14 +70,7 @@ def _status(field):
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def reset_peak():
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False when not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+reset_peak = procmem.reset_rss_peak     # VmHWM back to the current RSS (Linux >= 4.0)
 
 
 # ---- 10,000 calls --------------------------------------------------------------------------
