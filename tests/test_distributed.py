@@ -25,7 +25,7 @@ MPI_WORKER = os.path.join(HERE, "dist", "mpi_worker.py")
 # the bnbw_native this process imported is the one every rank must import
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(bn.__file__)))
 LAUNCH_TIMEOUT = 240      # seconds for a whole launch (torch import is slow on a busy box)
-RTOL = 1e-6               # ranks vs the single-process result (SPEC 7 sums in float64)
+RTOL = 1e-6               # ranks vs the single-process result (two-phase sums in float64)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed "
