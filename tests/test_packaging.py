@@ -177,8 +177,9 @@ def test_sdist_builds_a_wheel_that_passes_the_sdists_own_tests(sdist, tmp_path):
     outer = [p for p in {*site.getsitepackages(), sysconfig.get_paths()["purelib"]}
              if os.path.isdir(p)]
     Path(purelib.stdout.strip(), "_outer_env.pth").write_text("\n".join(outer) + "\n")
-    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, env=env)
+    # --ignore-installed: the outer environment may hold an installed bnbw_native (CI's does)
+    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
+                    "-q", str(wheel)], check=True, env=env)
     shown = subprocess.run([str(py), "-I", "-c", textwrap.dedent("""
         import bnbw_native
         facts = bnbw_native.show_config(mode="dicts")
