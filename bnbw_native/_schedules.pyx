@@ -52,7 +52,7 @@ from bnbw_native._engine cimport (
 cdef enum:
     TILE = 2048           # channel-major rows reach the kernels in pieces of at most this many
                           # elements; channel-last items span at most this many channels
-    SERIAL_BELOW = 32768  # elements below which threads cost more than they bring
+    SERIAL_BELOW = 65536  # elements below which threads cost more than they bring
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
     FUSED_ROW = 1024      # bytes: a fused channel-last slice spans at least this much of each

@@ -78,7 +78,7 @@ reset_peak = procmem.reset_rss_peak     # VmHWM back to the current RSS (Linux >
 def _threaded_call():
     """A call past SERIAL_BELOW with a team of 2: block partials, one tile set per thread."""
     rng = np.random.default_rng(1)
-    big = rng.normal(3, 2, (64, 3, 200)).astype(np.float32)
+    big = rng.normal(3, 2, (128, 3, 200)).astype(np.float32)
     m, v = np.full(3, 3, np.float32), np.full(3, 4, np.float32)
     return lambda: bnbw_native.batchnorm_training_backward(big, big, m, v, epsilon=EPS,
                                                            data_format="NCX", num_threads=2)

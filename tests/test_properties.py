@@ -40,7 +40,7 @@ if PROFILE not in ("fast", "thorough"):
     raise ValueError(f"BNBW_HYPOTHESIS_PROFILE must be 'fast' or 'thorough', got {PROFILE!r}")
 
 SIZES = st.sampled_from([1, 1, 2, 3, 5, 7, 11, 13])      # 1 and primes
-BIG_SIZES = st.sampled_from([127, 1031, 4099, 32771])     # past TILE, BLOCK, SERIAL_BELOW
+BIG_SIZES = st.sampled_from([127, 1031, 4099, 65539])     # past TILE, BLOCK, SERIAL_BELOW
 THREADS = st.sampled_from([None, 1, 2, 3, 4, 7])
 EPSILONS = st.sampled_from([1e-5, 1e-3, 0.5, 2.0])
 SMALL_LIMIT, BIG_LIMIT = 3000, 140_000

@@ -178,7 +178,7 @@ def test_training_dx_of_more_than_2_31_elements():
 POISON_LAYOUTS = {
     # name: (shape, channel axis): several reduction blocks, channel groups past TILE
     "ncx-2-blocks": ((3, 3, 11000), 1),         # M = 33000 > BLOCK
-    "nxc-2-blocks": ((12000, 3), 1),            # 32768 // 3 rows per block
+    "nxc-2-blocks": ((12000, 3), 1),            # 1024 rows per block: 12 blocks
     "nxc-2-groups": ((20, 2100), 1),            # C > TILE: two channel groups
 }
 FRONT_OF = ["graph3", "graph1", "intel", "ngraph", "two-phase", "dml-frozen", "dml-training"]
