@@ -13,10 +13,6 @@ changes a bit.
                          then an apply pass.  Slices are whole 128-byte lines of a row, as wide
                          as leaves about four items per thread.  Frozen statistics write dx in
                          the reduce pass.
-    LAST_FUSED           channel-last training whose slices of channels fit a thread's share
-                         of the cache: one item reduces a slice over every row block, finishes
-                         its channels' sums and coefficients, and applies them while the
-                         slice is still cached: x and dy are read from memory once.
     MAJOR_SWEEP          channel-major, rows no longer than a block.  Items are (block, group
                          of adjacent channels), visited in memory order: NCX rows of one n and
                          consecutive channels are adjacent, where a channel at a time would
@@ -55,9 +51,6 @@ cdef enum:
     SERIAL_BELOW = 65536  # elements below which threads cost more than they bring
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
-    FUSED_ROW = 1024      # bytes: a fused channel-last slice spans at least this much of each
-                          # row (or all of it): narrower slices of long rows, re-read row by
-                          # row a page apart, lose more to missed prefetches than they save
     ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance under dynamic load
     COMBINE_CHUNK = 256   # channels per parallel item of the combine
     FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
@@ -114,7 +107,7 @@ cdef int64_t cache_share(int nthreads) noexcept nogil:
     return cache_l2_bytes // 2 + cache_l3_bytes // (2 * sharers)
 
 SCHEDULE_NAMES = {0: "nothing", 1: "last-split", 2: "major-sweep", 3: "major-blocks",
-                  4: "major-sweep-fused", 5: "major-channel-fused", 6: "last-fused"}
+                  4: "major-sweep-fused", 5: "major-channel-fused"}
 TILE_ELEMENTS = TILE
 
 
@@ -165,36 +158,14 @@ cdef bint _balanced(int64_t items, int nt) noexcept nogil:
 
 
 cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
-    """LAST_FUSED when training and slices of whole lines fit a thread's share of the cache,
-    at least one per thread; else LAST_SPLIT with slices leaving about ITEMS_PER_THREAD items
-    per thread.  The row blocks are the plan's: the slice width never changes a sum (each
-    channel is one lane of the kernels)."""
+    """LAST_SPLIT with slices of whole lines leaving about ITEMS_PER_THREAD balanced items per
+    thread.  The row blocks are the plan's: the slice width never changes a sum (each channel
+    is one lane of the kernels)."""
     cdef int64_t C = p.channels, isz = itemsize(p.big_dtype)
-    cdef int64_t line = LINE // isz, width, fit, narrowest, k, slices
+    cdef int64_t line = LINE // isz, width
     cdef int nt = s.nthreads
     cdef bint sums = (op & OP_REDUCE) != 0
     s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
-    # fused, when x and dy outgrow the threads' cache shares (otherwise both passes read from
-    # cache anyway): k slices of whole lines, k a multiple of the thread count, the fewest
-    # whose x and dy fit a share and that split evenly (the busiest thread within a quarter of
-    # the mean); none narrower than FUSED_ROW bytes of a row
-    fit = imin(cache_share(nt) // (2 * isz * p.count), TILE)
-    narrowest = imin(C, FUSED_ROW // isz)
-    k = nt
-    while (sums and op & OP_DX and op & OP_TRAINING and k <= C
-           and 2 * isz * p.count * C > nt * cache_share(nt)):
-        width = ((C + k - 1) // k + line - 1) // line * line
-        if width < narrowest:
-            break
-        slices = (C + width - 1) // width
-        if (width <= fit and slices >= nt
-                and 4 * ((slices + nt - 1) // nt) * imin(width, C) * nt <= 5 * C):
-            s.kind = SCHED_LAST_FUSED
-            s.group = imin(width, C)
-            s.ngroups = slices
-            s.items = slices
-            return
-        k += nt
     s.kind = SCHED_LAST_SPLIT
     width = imin(C, TILE)
     if nt > 1 and p.nblocks * ((C + width - 1) // width) < ITEMS_PER_THREAD * nt:
@@ -576,24 +547,6 @@ cdef void _channel_coefficients(const Work *w, int64_t c) noexcept nogil:
                  &w.k1[c], &w.k2[c], &w.k3[c], &w.dscale[c], &w.dbias[c])
 
 
-cdef void _last_fused_item(const Work *w, int64_t g) noexcept nogil:
-    """LAST_FUSED: reduce slice g over every row block, finish its channels' sums and
-    coefficients, then apply them while the slice is still cached."""
-    cdef const Plan *p = w.p
-    cdef int64_t b, c, C = p.channels
-    cdef int64_t c_lo = g * w.s.group
-    cdef int64_t c_hi = imin(C, c_lo + w.s.group)
-    cdef double *sums
-    for b in range(p.nblocks):
-        sums = block_sums(w, b)
-        last_block(w, b, g, OP_REDUCE, sums, sums + C)
-    for c in range(c_lo, c_hi):
-        _combine(w, c)
-        _channel_coefficients(w, c)
-    for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
-        last_block(w, b, g, OP_DX, NULL, NULL)
-
-
 cdef void _combine_item(const Work *w, int64_t i) noexcept nogil:
     """Channels [i, i + 1) * COMBINE_CHUNK: sums combined, and their coefficients unless the
     call only returns sums."""
@@ -777,8 +730,6 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
             return -1
     if s.kind == SCHED_MAJOR_SWEEP_FUSED:
         run_items(&w, _fused_group_item, s.items)
-    elif s.kind == SCHED_LAST_FUSED:
-        run_items(&w, _last_fused_item, s.items)
     elif s.kind == SCHED_MAJOR_CHANNEL_FUSED:
         run_items(&w, _fused_channel_item, s.items)
     elif s.kind != SCHED_NOTHING:
