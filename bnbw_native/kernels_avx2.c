@@ -10,7 +10,6 @@
 #endif
 #include "bnbw_simd_avx2.h"
 
-#define BNBW_TABLE bnbw_kernels_avx2
 #define K__NAME(name) bnbw_avx2_##name
 #include "bnbw_kernels_impl.h"
 

@@ -10,7 +10,6 @@
 #endif
 #include "bnbw_simd_avx512.h"
 
-#define BNBW_TABLE bnbw_kernels_avx512
 #define K__NAME(name) bnbw_avx512_##name
 #include "bnbw_kernels_impl.h"
 

@@ -1,7 +1,6 @@
 /* The kernels in plain C: the body that defines every result (see bnbw_kernels.h). */
 #include "bnbw_simd_portable.h"
 
-#define BNBW_TABLE bnbw_kernels_portable
 #define K__NAME(name) bnbw_portable_##name
 #include "bnbw_kernels_impl.h"
 

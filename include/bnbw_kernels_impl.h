@@ -3,12 +3,13 @@
  * (see bnbw_kernels.h for what they compute, the precision and the lane plan).
  *
  * Included by one translation unit per instruction set, after that instruction set's layer
- * (bnbw_simd_*.h), with BNBW_TABLE naming the table it defines.  Every body specialises on the
- * storage type, the mask's type and (channel-major rows) whether every operand is contiguous,
- * so the loops carry no per-element branch.
+ * (bnbw_simd_*.h), with K__NAME(name) naming its kernels; the unit then defines its table from
+ * K__TABLE_ENTRIES.  Every body specialises on the storage type, the mask's type and
+ * (channel-major rows) whether every operand is contiguous, so the loops carry no per-element
+ * branch.
  */
-#ifndef BNBW_TABLE
-#error "define BNBW_TABLE and include a bnbw_simd_*.h layer before bnbw_kernels_impl.h"
+#ifndef K__NAME
+#error "define K__NAME and include a bnbw_simd_*.h layer before bnbw_kernels_impl.h"
 #endif
 
 #define BNBW__ISZ(dt) ((dt) == BNBW_F32 ? 4 : 2)
