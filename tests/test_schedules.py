@@ -21,6 +21,7 @@ from conftest import BF16
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import shapes  # noqa: E402  (the benchmark's shape lists)
+from balance import describe as _items  # noqa: E402  (the schedule a training call gets)
 
 NO_CACHE = (1 << 10, 1 << 12, 64)          # nothing fits: split schedules everywhere
 SMALL_CACHE = (1 << 20, 32 << 20, 16)
@@ -87,14 +88,6 @@ def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, d
                                          data_format, threads)["schedule"])
     if data_format == "NCX":
         assert "major-sweep-fused" in schedules         # fused groups of several sizes met
-
-
-def _items(shape, data_format, threads):
-    C = shape[-1] if data_format == "NXC" else shape[1]
-    x = np.empty(shape, np.float32)
-    stat = np.ones(C, np.float32)
-    return _call.describe(GRAPH, _call.TRAINING, x, x, stat, stat, stat, 1e-5, data_format,
-                          threads)
 
 
 @pytest.mark.parametrize("threads", [8, 16, 64])
