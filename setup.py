@@ -150,8 +150,8 @@ def main():
         return Extension(
             f"bnbw_native.{name}",
             sources,
-            include_dirs=["include", numpy.get_include()],
-            depends=sorted(glob.glob("include/*.h")),   # rebuild when a header changes
+            include_dirs=["include", "src", numpy.get_include()],
+            depends=sorted(glob.glob("include/*.h") + glob.glob("src/*.h")),   # rebuild when a header changes
             define_macros=macros,
             extra_compile_args=cflags,
             extra_link_args=omp + [f for f in cflags if f.startswith("-fsanitize")],
@@ -162,8 +162,7 @@ def main():
     # public conversion helpers.  The kernels (one translation unit per instruction set, each
     # targeting its own, plus the run-time choice between them) are linked into _schedules
     # only, so one process has one choice of body.
-    kernel_sources = [f"bnbw_native/kernels{suffix}.c"
-                      for suffix in ("", "_portable", "_avx2", "_avx512")]
+    kernel_sources = [f"src/body_{name}.c" for name in ("choice", "portable", "avx2", "avx512")]
     extensions = [
         extension(name, [f"bnbw_native/{name}.pyx"]
                   + (kernel_sources if name == "_schedules" else []))
@@ -171,7 +170,8 @@ def main():
     ]
 
     class build_py_with_headers(build_py):
-        """Ship include/*.h inside the package, where bnbw_native.get_include() finds them.
+        """Ship the public header (include/*.h) inside the package, where
+        bnbw_native.get_include() finds it; the private C sources (src/) stay out of wheels.
         The build record is build_ext's alone: an in-place one must not reach a wheel or an
         sdist."""
 

@@ -108,7 +108,7 @@ def _source_tree():
 
 def _built(name):
     """A build product or cache: compiled modules, the C Cython generates from a .pyx (not the
-    hand-written kernels*.c beside them), the build record."""
+    hand-written C in src/), the build record."""
     generated = re.fullmatch(r"(bnbw_native/[^/]+)\.(c|html)", name)
     return (name.endswith((".so", ".o", ".pyc", ".pyd")) or "__pycache__" in name
             or (generated is not None and (ROOT / f"{generated.group(1)}.pyx").exists())
@@ -126,7 +126,7 @@ def test_sdist_holds_no_build_products(sdist):
     files = _sdist_files(sdist[1])
     generated = [n for n in files if _built(n)]
     assert generated == []
-    assert {"bnbw_native/_call.pyx", "bnbw_native/kernels.c", "include/bnbw_native.h",
+    assert {"bnbw_native/_call.pyx", "src/body_choice.c", "include/bnbw_native.h",
             "MANIFEST.in"} <= files
 
 
@@ -142,6 +142,8 @@ def test_package_files_hold_no_generated_c(sdist, tmp_path):
     assert not [n for n in names if n.endswith((".c", ".html"))]   # compiled in, or generated
     assert "_build_info.py" not in names               # written by build_ext only
     assert {"py.typed", "__init__.py", "_call.pyx", "include/bnbw_native.h"} <= names
+    # the public C API only: the kernels' private headers stay in the source tree (src/)
+    assert {n for n in names if n.startswith("include/")} == {"include/bnbw_native.h"}
     assert {n for n in names if n.endswith(".pyi")} >= {"_call.pyi", "dml.pyi", "half.pyi"}
 
 

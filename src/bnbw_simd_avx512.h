@@ -3,7 +3,7 @@
  * and BMI2: one zmm register per 16 f32 lanes, two per 16 f64 lanes (lanes 0-7, 8-15), lane
  * predicates in mask registers.  Same operations, lanes and bits as bnbw_simd_portable.h,
  * which documents the interface.  Compiled only in a translation unit whose functions target
- * these instructions (bnbw_native/kernels_avx512.c).
+ * these instructions (src/body_avx512.c).
  *
  * bf16 rounds with integer operations, not VCVTNEPS2BF16, which flushes subnormal inputs to
  * zero; f16 converts with VCVTPS2PH / VCVTPH2PS, which round as the portable code does.

@@ -45,7 +45,7 @@
  * One source, several instruction sets.  The arithmetic is written once
  * (bnbw_kernels_impl.h) over a small vector layer of 16-lane f32 and f64 vectors and lane
  * predicates (bnbw_simd_portable.h, bnbw_simd_avx2.h, bnbw_simd_avx512.h) and compiled once per
- * instruction set, each in its own translation unit (bnbw_native/kernels_*.c), into a table of
+ * instruction set, each in its own translation unit (src/body_*.c), into a table of
  * the nine kernels.  The portable body defines the results: every other body does the same
  * operations on the same lanes in the same order, so all give the same bits; FP contraction is
  * off (-ffp-contract=off) and the bodies fuse a multiply-add only where the portable body calls

@@ -2,7 +2,7 @@
  * bnbw_simd_avx2.h - the kernels' vector layer on x86 AVX2 + FMA + F16C: two ymm registers per
  * 16 f32 lanes (lanes 0-7, 8-15), four per 16 f64 lanes.  Same operations, lanes and bits as
  * bnbw_simd_portable.h, which documents the interface.  Compiled only in a translation unit
- * whose functions target these instructions (bnbw_native/kernels_avx2.c).
+ * whose functions target these instructions (src/body_avx2.c).
  */
 #ifndef BNBW_SIMD_AVX2_H
 #define BNBW_SIMD_AVX2_H
