@@ -158,15 +158,15 @@ def main():
             libraries=[] if sys.platform == "win32" else ["m"],   # fmaf (bnbw_kernels.h)
         )
 
-    # plan -> schedules -> the validation layer (_call) -> the C API table (_capi); _half: the
-    # public conversion helpers.  The kernels (one translation unit per instruction set, each
-    # targeting its own, plus the run-time choice between them) are linked into _schedules
-    # only, so one process has one choice of body.
+    # plan -> schedules -> the engine entry (which links the kernels: one process, one choice of
+    # body) -> the validation rules -> array calls / DirectML operators -> the C API table;
+    # _half: the public conversion helpers.
     kernel_sources = [f"src/body_{name}.c" for name in ("choice", "portable", "avx2", "avx512")]
     extensions = [
         extension(name, [f"bnbw_native/{name}.pyx"]
-                  + (kernel_sources if name == "_schedules" else []))
-        for name in ("_plan", "_schedules", "_call", "_capi", "_half")
+                  + (kernel_sources if name == "_engine" else []))
+        for name in ("_plan", "_schedules", "_engine", "_rules", "_arrays", "_directml",
+                     "_capi", "_half")
     ]
 
     class build_py_with_headers(build_py):

@@ -13,8 +13,8 @@ import argparse
 import numpy as np
 
 import shapes
-from bnbw_native import _call, _schedules
-from bnbw_native._graph import GRAPH
+from bnbw_native import _arrays, _schedules
+from bnbw_native._onednn_graph import GRAPH
 
 
 def size(text):
@@ -26,7 +26,7 @@ def describe(shape, data_format, threads):
     C = shape[-1] if data_format == "NXC" else shape[1]
     x = np.empty(shape, np.float32)
     stat = np.ones(C, np.float32)
-    return _call.describe(GRAPH, _call.TRAINING, x, x, stat, stat, stat, 1e-5, data_format,
+    return _arrays.describe(GRAPH, _arrays.TRAINING, x, x, stat, stat, stat, 1e-5, data_format,
                           threads)
 
 

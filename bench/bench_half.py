@@ -99,7 +99,7 @@ def main():
     copy_s = best_seconds(lambda: np.copyto(copy_dst, f32), args.repeat)
     copy_gbs = 2 * nbytes / copy_s / 1e9
 
-    print(f"simd path: {_half.simd_path()}; OpenMP max threads: {_half._max_threads()}; "
+    print(f"simd path: {_half.simd_path()}; threads: {_config.get_num_threads()}; "
           f"source {args.mib} MiB; best of {args.repeat}")
     print(f"{'case':44s} {'ms':>8s} {'GB/s':>7s} {'% copy':>7s}")
     print(f"{'np.copyto (same source bytes)':44s} {copy_s * 1e3:8.2f} {copy_gbs:7.2f} {100:7.0f}")

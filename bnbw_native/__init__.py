@@ -3,7 +3,8 @@
 One strided engine (Cython + OpenMP) behind thin front-ends, one per public convention:
 
 * ``batchnorm_training_backward`` - oneDNN Graph ``BatchNormTrainingBackward``
-* ``bnbw_native.onednn.batch_norm_training_backprop`` - Intel spec ``BatchNormTrainingBackprop-1``
+* ``bnbw_native.intel_spec.batch_norm_training_backprop`` - Intel spec
+  ``BatchNormTrainingBackprop-1`` (also reachable under its first name, ``bnbw_native.onednn``)
 * ``bnbw_native.ngraph.batch_norm_training_backprop`` - nGraph ``BatchNormTrainingBackprop``
 * ``bnbw_native.dml`` - DirectML ``DML_BATCH_NORMALIZATION_GRAD`` descriptors and operators
 * ``backward_reduce`` / ``backward_apply`` - the two phases of data-parallel training
@@ -22,7 +23,7 @@ def _unbuilt_source_tree() -> "str | None":
     here = os.path.dirname(os.path.abspath(__file__))
     if not os.path.exists(os.path.join(os.path.dirname(here), "setup.py")):
         return None
-    built = any(os.path.exists(os.path.join(here, "_call" + suffix))
+    built = any(os.path.exists(os.path.join(here, "_engine" + suffix))
                 for suffix in importlib.machinery.EXTENSION_SUFFIXES)
     return None if built else here
 
@@ -38,14 +39,15 @@ except ImportError as exc:
         "modules are not built. Either build them there (python setup.py build_ext --inplace) "
         "or start Python from another directory so that the installed bnbw_native is "
         "imported.") from exc
-from ._graph import BackwardResult, batchnorm_training_backward
-from ._twophase import backward_apply, backward_reduce
+from ._onednn_graph import BackwardResult, batchnorm_training_backward
+from ._two_phase import backward_apply, backward_reduce
 
 if _typing.TYPE_CHECKING:
     # what type checkers see; at run time these load on first use (__getattr__ below)
-    from . import dml, half, ngraph, onednn, reference
+    from . import dml, half, intel_spec, ngraph, onednn, reference
 
-_SUBMODULES = ("autograd", "distributed", "dml", "half", "ngraph", "onednn", "reference")
+_SUBMODULES = ("autograd", "distributed", "dml", "half", "intel_spec", "ngraph", "onednn",
+               "reference")
 # The C API's module: PyCapsule_Import("bnbw_native._capi._C_API"), behind every C caller's
 # bnbw_import(), imports only "bnbw_native" and then looks "_capi" up as an attribute, so the
 # attribute must exist even when nothing imported the submodule yet.
@@ -61,7 +63,7 @@ def __getattr__(name: str) -> _types.ModuleType:
 
 
 def get_include() -> str:
-    """The directory holding bnbw_native.h and bnbw_half.h, for C extensions."""
+    """The directory holding bnbw_native.h, the C API's header, for C extensions."""
     import os
     here = os.path.dirname(os.path.abspath(__file__))
     installed = os.path.join(here, "include")

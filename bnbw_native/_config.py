@@ -10,7 +10,6 @@ choice: for tests, benchmarks, and machines where 512-bit code lowers the clock.
 """
 from __future__ import annotations
 
-import numbers
 import os
 import sys
 import warnings
@@ -18,42 +17,30 @@ from typing import IO, Any, Literal, Optional, overload
 
 import numpy as np
 
-from . import _call
+from . import _engine
 
 __version__ = "0.1.0"
 
-# libgomp's thread pool does not survive fork(): a team of 2+ in the child hangs forever.
-# Results never depend on the thread count, so a forked child simply runs serial.
+# libgomp's thread pool does not survive fork(): a team of 2+ in the child of a process that
+# started one hangs forever.  Such a child runs serial (results never depend on the thread
+# count); the child of a process that never started a team keeps its threads.
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_call.after_fork_in_child)
+    os.register_at_fork(after_in_child=_engine.after_fork_in_child)
 
-# More threads than this buys nothing on any machine this runs on and risks exhausting the
-# process: requests above it are clipped (results never depend on the thread count anyway).
-MAX_THREADS = _call.MAX_THREADS_PY
-
-
-def check_num_threads(value: object, name: str = "num_threads") -> Optional[int]:
-    """None, or a positive int: the validated request."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be None or a positive int, got {type(value).__name__}")
-    value = int(value)
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
+# A thread count above this is refused as a mistake; a call runs on at most the CPUs this
+# process may use, whatever it asks for.
+MAX_THREADS = _engine.MAX_THREADS
 
 
 def set_num_threads(n: Optional[int]) -> None:
     """Set the package default thread count; None (the initial state) follows OpenMP.  The
     default serves every call without num_threads=, C API calls with 0 threads included."""
-    n = check_num_threads(n, "n")
-    _call.set_default_threads(0 if n is None else min(n, MAX_THREADS))
+    _engine.set_default_threads(_engine.requested_threads(n, "n"))
 
 
 def get_num_threads() -> int:
     """The thread count a call without ``num_threads=`` would use now."""
-    return _call.threads_for(0)
+    return int(_engine.threads_for(0))
 
 
 # BNBW_KERNELS values, in order: each caps the body at its own level.
@@ -67,14 +54,14 @@ def use_kernels(name: Optional[str]) -> Optional[str]:
     if name is not None and name not in KERNEL_CAPS:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CAPS)} or None, got {name!r}")
     level = len(KERNEL_CAPS) - 1 if name is None else KERNEL_CAPS.index(name)
-    _call._set_body_cap(level)
+    _engine.set_body_cap(level)
     previous, _kernel_cap = _kernel_cap, name
     return previous
 
 
 def kernel_body() -> str:
     """The kernel body in use: "portable", "AVX2" or "AVX-512"."""
-    return str(_call.build_info()["kernels"])
+    return str(_engine.build_info()["kernels"])
 
 
 _kernel_cap: Optional[str] = None
@@ -100,7 +87,7 @@ def _build_record() -> Optional[dict[str, Any]]:
 
 
 def _facts() -> dict[str, Any]:
-    info = _call.build_info()
+    info = _engine.build_info()
     build = _build_record() or {}
     omp = info["openmp"]
     return {
@@ -122,7 +109,7 @@ def _facts() -> dict[str, Any]:
         },
         "threads": {
             "current": get_num_threads(),
-            "default": _call.default_threads() or None,
+            "default": _engine.default_threads() or None,
         },
         "kernels": {
             "in_use": info["kernels"],

@@ -8,8 +8,6 @@ Python can raise but never crash.  Work is split into fixed chunks handed out dy
 per-thread slices: a thread that the OS delays (2 cores, often shared) holds back one chunk, not
 half the array, and results never depend on the thread count.
 """
-import operator
-
 import numpy as np
 
 cimport numpy as cnp
@@ -18,11 +16,11 @@ from libc.stdint cimport int64_t, uint16_t
 
 cnp.import_array()
 
-from bnbw_native._engine cimport (
-    bnbw_omp_max_threads, bnbw_load_f16, bnbw_store_f16, bnbw_load_bf16, bnbw_store_bf16,
-    bnbw_load_f32, bnbw_store_f32, bnbw_half_simd_path, bnbw_f16, bnbw_bf16, bnbw_f64_to_f16,
+from bnbw_native._vocabulary cimport (
+    SERIAL_BELOW, bnbw_load_f16, bnbw_store_f16, bnbw_load_bf16, bnbw_store_bf16,
+    bnbw_load_f32, bnbw_store_f32, bnbw_half_simd_path, bnbw_f64_to_f16,
     bnbw_f64_to_bf16)
-from bnbw_native._schedules cimport simd_converters
+from bnbw_native._engine cimport resolve_threads, team_started, simd_converters
 
 # simd (last argument): whether the converters may use their AVX2 code (the kernel body in use)
 ctypedef void (*load_fn)(const char *, int64_t, int64_t, float *, int) noexcept nogil
@@ -38,35 +36,15 @@ cdef void _store_f32(const float *src, int64_t n, char *dst, int64_t stride,
                      int simd) noexcept nogil:
     bnbw_store_f32(src, n, dst, stride)
 
-# Arrays shorter than PARALLEL_MIN run on the calling thread; longer ones go out in CHUNK-sized
+# Arrays shorter than SERIAL_BELOW run on the calling thread; longer ones go out in CHUNK-sized
 # pieces (a chunk of float32 is 128 KiB, enough to amortise the scheduling).
-cdef int64_t _PARALLEL_MIN = 1 << 16
 cdef int64_t CHUNK = 1 << 15
-PARALLEL_MIN = _PARALLEL_MIN
-
-
-def _max_threads():
-    """omp_get_max_threads() of the calling thread, or 1 in a build without OpenMP."""
-    return bnbw_omp_max_threads()
+PARALLEL_MIN = SERIAL_BELOW
 
 
 def simd_path():
     """Which conversion code runs, e.g. 'f16: F16C, bf16: AVX2' or 'portable'."""
     return bnbw_half_simd_path(simd_converters()).decode("ascii")
-
-
-cdef int _threads(object num_threads) except -1:
-    if num_threads is None:
-        return bnbw_omp_max_threads()
-    if isinstance(num_threads, bool):
-        raise TypeError("num_threads: expected an int or None, got bool")
-    try:
-        n = operator.index(num_threads)
-    except TypeError:
-        raise TypeError(f"num_threads: expected an int or None, got {type(num_threads).__name__}") from None
-    if n < 1:
-        raise ValueError(f"num_threads: expected >= 1, got {n}")
-    return min(n, 1 << 12)
 
 
 cdef int _check(cnp.ndarray narrow, int itemsize, cnp.ndarray wide, bint narrow_out) except -1:
@@ -90,9 +68,10 @@ cdef void _load(load_fn fn, const char *src, int64_t stride, int64_t n, float *d
     cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
     cdef int64_t c, start
     cdef int simd = simd_converters()
-    if n < _PARALLEL_MIN or threads == 1:
+    if n < SERIAL_BELOW or threads == 1:
         fn(src, stride, n, dst, simd)
         return
+    team_started()
     for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
         start = c * CHUNK
         fn(src + start * stride, stride, min(CHUNK, n - start), dst + start, simd)
@@ -103,16 +82,18 @@ cdef void _store(store_fn fn, const float *src, int64_t n, char *dst, int64_t st
     cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
     cdef int64_t c, start
     cdef int simd = simd_converters()
-    if n < _PARALLEL_MIN or threads == 1:
+    if n < SERIAL_BELOW or threads == 1:
         fn(src, n, dst, stride, simd)
         return
+    team_started()
     for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
         start = c * CHUNK
         fn(src + start, min(CHUNK, n - start), dst + start * stride, stride, simd)
 
 
-def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_threads=None):
-    """Widen 1-d `src` (kind 'f16', 'bf16' or 'f32'; any byte stride) into contiguous float32 `dst`."""
+def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
+    """Widen 1-d `src` (kind 'f16', 'bf16' or 'f32'; any byte stride) into contiguous float32
+    `dst` on num_threads threads (0: the package default), resolved as every call is."""
     cdef load_fn fn
     cdef int itemsize = 2
     if kind == "f16":
@@ -123,7 +104,7 @@ def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_th
         fn, itemsize = _load_f32, 4
     else:
         raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
-    cdef int threads = _threads(num_threads)
+    cdef int threads = resolve_threads(num_threads)
     _check(src, itemsize, dst, False)
     cdef const char *sp = <const char *>cnp.PyArray_DATA(src)
     cdef int64_t stride = cnp.PyArray_STRIDE(src, 0)
@@ -133,8 +114,9 @@ def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_th
         _load(fn, sp, stride, n, dp, threads)
 
 
-def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_threads=None):
-    """Narrow contiguous float32 `src` into 1-d `dst` (kind 'f16', 'bf16' or 'f32'; any byte stride)."""
+def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
+    """Narrow contiguous float32 `src` into 1-d `dst` (kind 'f16', 'bf16' or 'f32'; any byte
+    stride) on num_threads threads (0: the package default)."""
     cdef store_fn fn
     cdef int itemsize = 2
     if kind == "f16":
@@ -145,7 +127,7 @@ def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, num_t
         fn, itemsize = _store_f32, 4
     else:
         raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
-    cdef int threads = _threads(num_threads)
+    cdef int threads = resolve_threads(num_threads)
     _check(dst, itemsize, src, True)
     cdef const float *sp = <const float *>cnp.PyArray_DATA(src)
     cdef char *dp = <char *>cnp.PyArray_DATA(dst)

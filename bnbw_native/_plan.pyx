@@ -17,8 +17,7 @@ from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
-from bnbw_native._engine cimport (Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, DT_BOOL,
-                                  itemsize)
+from bnbw_native._vocabulary cimport Layout, Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, itemsize
 
 cdef enum:
     BLOCK = 32768         # channel-major: elements per reduction block
@@ -32,16 +31,19 @@ cdef enum:
 BLOCK_ELEMENTS = BLOCK
 
 
-cdef int plan_build(Plan *p, int ndim, const int64_t *sizes, const unsigned char *reduced,
-                    const int64_t *strides, const unsigned char *present, int big_dtype,
-                    int mask_dtype, int stat_dtype) noexcept nogil:
-    """Fill `p` (plan_free releases it).  strides: N_SLOTS rows of MAX_DIMS byte strides (row t
-    = slot t); present: which big slots the call has (x and dy always).  Returns 0, or -1 when
-    out of memory.  The inputs are trusted: the validation layer checked them."""
+cdef int plan_build(Plan *p, const Layout *l) noexcept nogil:
+    """Fill `p` (plan_free releases it) for the validated layout `l`.  Returns 0, or -1 when out
+    of memory."""
+    cdef int ndim = l.ndim
+    cdef const int64_t *sizes = l.sizes
+    cdef const unsigned char *reduced = l.reduced
+    cdef const int64_t *strides = &l.strides[0][0]
+    cdef const unsigned char *present = l.present
+    cdef int big_dtype = l.big_dtype, mask_dtype = l.mask_dtype, stat_dtype = l.stat_dtype
     cdef int64_t s[N_SLOTS * MAX_DIMS]
     cdef Plan base
     cdef Plan probe
-    cdef int t, d, rc
+    cdef int t, rc
     cdef bint temp[N_BIG]
     cdef bint any_temp = False
     memcpy(s, strides, N_SLOTS * MAX_DIMS * sizeof(int64_t))

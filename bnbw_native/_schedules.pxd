@@ -1,6 +1,6 @@
 from libc.stdint cimport int64_t
 
-from bnbw_native._engine cimport Plan
+from bnbw_native._vocabulary cimport Plan, bnbw_kernel_table
 
 cdef enum ScheduleKind:
     SCHED_NOTHING = 0          # nothing to read: an empty batch, or constants only
@@ -26,12 +26,5 @@ ctypedef struct Schedule:
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil
 # What schedule_choose assumes of the machine (read at import; tests may set them)
 cdef int64_t cache_l2_bytes, cache_l3_bytes, cache_l3_sharers
-cdef int execute(const Plan *p, const Schedule *s, char **ptr, int op, double eps,
-                 double count, double *sums_io) noexcept nogil
-
-# The kernel body (bnbw_kernels.h): chosen and capped here, the one module that links them.
-cdef int kernel_body() noexcept nogil
-cdef int cpu_kernel_body() noexcept nogil
-cdef void set_kernel_cap(int cap) noexcept nogil
-cdef const char *kernel_body_name(int body) noexcept nogil
-cdef bint simd_converters() noexcept nogil
+cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr,
+                 int op, double eps, double count, double *sums_io) noexcept nogil

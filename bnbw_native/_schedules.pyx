@@ -33,22 +33,19 @@ same places on every schedule, so that where a kernel call starts never changes 
 """
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 from cython.parallel cimport prange
 
-from bnbw_native._engine cimport (
+from bnbw_native._vocabulary cimport (
     Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
-    S_DSCALE, S_DBIAS, DT_F32, DT_F16, DT_BF16, DT_BOOL, OP_REDUCE, OP_GIVEN_SUMS,
-    OP_TRAINING, OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_EXACT_SUMS, itemsize, imin, chan_origin,
-    row_origin, load_stat, store_stat, coefficients, bnbw_omp_thread_num, bnbw_io, bnbw_run,
-    bnbw_kernel_table, bnbw_kernels, bnbw_body, bnbw_cpu_body, bnbw_set_body_cap,
-    bnbw_body_name, BNBW_NO_MASK, BNBW_BLOCK_ROWS, BNBW_EXACT_SUMS, BNBW_BLOCKS,
-    BNBW_BLOCKS_EVEN_ODD, BNBW_BODY_AVX2)
+    S_DSCALE, S_DBIAS, DT_F32, DT_BF16, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING, OP_DX,
+    OP_PARAMS, OP_RETURN_SUMS, OP_EXACT_SUMS, SERIAL_BELOW, itemsize, imin, chan_origin,
+    row_origin, load_stat, store_stat, coefficients, bnbw_io, bnbw_run, bnbw_kernel_table,
+    BNBW_NO_MASK, BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD)
 
 cdef enum:
     TILE = 2048           # channel-major rows reach the kernels in pieces of at most this many
                           # elements; channel-last items span at most this many channels
-    SERIAL_BELOW = 65536  # elements below which threads cost more than they bring
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
     ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance under dynamic load
@@ -109,31 +106,6 @@ cdef int64_t cache_share(int nthreads) noexcept nogil:
 SCHEDULE_NAMES = {0: "nothing", 1: "last-split", 2: "major-sweep", 3: "major-blocks",
                   4: "major-sweep-fused", 5: "major-channel-fused"}
 TILE_ELEMENTS = TILE
-
-
-# ---------------------------------------------------------------------------------------
-# The kernel body: one choice per process, made here, where the kernels are linked
-# ---------------------------------------------------------------------------------------
-
-cdef int kernel_body() noexcept nogil:
-    return bnbw_body()
-
-
-cdef int cpu_kernel_body() noexcept nogil:
-    return bnbw_cpu_body()
-
-
-cdef void set_kernel_cap(int cap) noexcept nogil:
-    bnbw_set_body_cap(cap)
-
-
-cdef const char *kernel_body_name(int body) noexcept nogil:
-    return bnbw_body_name(body)
-
-
-cdef bint simd_converters() noexcept nogil:
-    """Whether the row converters of bnbw_half.h may use their AVX2 code."""
-    return bnbw_body() >= BNBW_BODY_AVX2
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,7 +259,7 @@ cdef void run_items(const Work *w, ItemFn item, int64_t n) noexcept nogil:
 # The operands of one kernel call
 # ---------------------------------------------------------------------------------------
 
-cdef inline void io_start(const Work *w, bnbw_io *io, int what) noexcept nogil:
+cdef inline void io_start(const Work *w, bnbw_io *io) noexcept nogil:
     """The parts of a kernel call every row shares: storage types, which operands it has."""
     io.dt = w.p.big_dtype
     io.mask_dt = w.p.mask_dtype if w.mask != NULL else BNBW_NO_MASK
@@ -334,7 +306,7 @@ cdef void row_span(const Work *w, int64_t c, const int64_t *off, int64_t col, in
     cdef bnbw_io io
     cdef double part[2]
     cdef float mean = w.mean[c]
-    io_start(w, &io, what)
+    io_start(w, &io)
     io_steps(w, &io, p.inner_stride)
     while col < end:
         seg_end = imin((col // TILE + 1) * TILE, end)
@@ -431,7 +403,7 @@ cdef inline void row_run(const Work *w, const int64_t *off, int64_t c_lo, int64_
     cdef int t
     for t in range(N_BIG):
         at[t] = off[t] + p.chan_stride[t] * c_lo
-    io_start(w, &io, what)
+    io_start(w, &io)
     io_at(w, &io, at, what)
     run.count = c_hi - c_lo
     run.x = p.chan_stride[S_X]
@@ -466,7 +438,7 @@ cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *s
     cdef int64_t off[N_BIG]
     cdef int64_t row_stride[N_BIG]
     cdef bnbw_io io
-    io_start(w, &io, what)
+    io_start(w, &io)
     if p.n_outer == 1:
         for t in range(N_BIG):
             row_stride[t] = p.outer_stride[t][0]
@@ -612,17 +584,18 @@ cdef void _pass(Work *w, int what) noexcept nogil:
 # execute
 # ---------------------------------------------------------------------------------------
 
-cdef int execute(const Plan *p, const Schedule *s, char **ptr, int op, double eps,
-                 double count, double *sums_io) noexcept nogil:
-    """Carry out schedule `s` of plan `p` on the operands ptr[N_SLOTS] (NULL scale means 1,
-    NULL mask means no ReLU mask).  `count` is M of the formula (the global count in two-phase
-    use).  Returns 0, or -1 when out of memory (nothing written then)."""
+cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr,
+                 int op, double eps, double count, double *sums_io) noexcept nogil:
+    """Carry out schedule `s` of plan `p` with the kernels `k` on the operands ptr[N_SLOTS]
+    (NULL scale means 1, NULL mask means no ReLU mask).  `count` is M of the formula (the global
+    count in two-phase use).  Returns 0, or -1 when out of memory (nothing written then)."""
     cdef char *slots[N_SLOTS]
     cdef char *temp[N_BIG]
     cdef int t, rc = 0
     memcpy(slots, ptr, N_SLOTS * sizeof(char *))
     for t in range(N_BIG):
-        temp[t] = NULL
+        temp[t] = NULL             # all of them first: a failed allocation frees the ones before
+    for t in range(N_BIG):
         if p.via_temp[t] and slots[t] != NULL:
             temp[t] = <char *> malloc(p.temp_bytes[t])
             if temp[t] == NULL:
@@ -633,7 +606,7 @@ cdef int execute(const Plan *p, const Schedule *s, char **ptr, int op, double ep
                 _copy_strided(p.ndim, p.sizes, ptr[t], p.given_strides[t], slots[t],
                               p.temp_strides[t], itemsize(p.mask_dtype))
     if rc == 0:
-        rc = _run(p, s, slots, op, eps, count, sums_io)
+        rc = _run(p, s, k, slots, op, eps, count, sums_io)
     for t in range(N_BIG):
         if temp[t] != NULL:
             if rc == 0 and t != S_MASK:
@@ -673,8 +646,8 @@ cdef void _copy_strided(int ndim, const int64_t *sizes, const char *src,
             return
 
 
-cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, double count,
-              double *sums_io) noexcept nogil:
+cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr, int op,
+              double eps, double count, double *sums_io) noexcept nogil:
     """execute() on operands laid out as the plan visits them."""
     cdef int64_t C = p.channels, c
     cdef Work w
@@ -695,7 +668,7 @@ cdef int _run(const Plan *p, const Schedule *s, char **ptr, int op, double eps, 
         return -1
     w.p = p
     w.s = s
-    w.k = bnbw_kernels()
+    w.k = k
     w.x = ptr[S_X]
     w.dy = ptr[S_DY]
     w.dx = ptr[S_DX]

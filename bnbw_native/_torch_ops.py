@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._graph import batchnorm_training_backward
-from ._twophase import backward_reduce
+from ._onednn_graph import batchnorm_training_backward
+from ._two_phase import backward_reduce
 
 STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 

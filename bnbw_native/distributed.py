@@ -27,9 +27,9 @@ the others in the collective until the group's timeout, as with any collective.
 
 torch and mpi4py are optional: they are imported on the first call, never with the package.
 """
-from ._graph import BackwardResult
-from ._twophase import backward_apply, backward_reduce
-from ._call import check_choice, check_epsilon
+from ._arrays import check_choice, check_epsilon
+from ._onednn_graph import BackwardResult
+from ._two_phase import backward_apply, backward_reduce
 
 _TORCH_HINT = ("sync_batchnorm_backward needs PyTorch with torch.distributed: "
                "pip install 'bnbw_native[torch]'")

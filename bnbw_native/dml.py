@@ -18,17 +18,18 @@ DirectML's InputGradient is dy and OutputGradient is dx.  Sums run over the dims
 mean/variance/scale sizes are 1.  ``BatchNormalizationGrad`` keeps the statistics frozen (the
 seed's formulas); ``BatchNormalizationTrainingGrad`` gives the full training gradient.
 
-The descriptor rules live once, in nogil code of ``bnbw_native._capi`` that C callers reach
-through ``include/bnbw_native.h``, and the operator's rules in the validation layer
-(``bnbw_native._call``) that every front-end goes through; this module checks Python types,
-calls them and turns their status codes into ``TypeError`` (data types) or ``ValueError``
-(everything else).
+DirectML's vocabulary - the members, the descriptor rules, the operators and how buffers are
+bound - lives in ``bnbw_native._directml`` (nogil code that the C API of
+``include/bnbw_native.h`` shares); this module is its Python face: descriptors and operators as
+Python objects, and array conveniences that go through the validation layer every array
+convention uses.  Refusals are ``TypeError`` (data types, wrong kinds of objects) or
+``ValueError`` (everything else).
 """
 import numbers
 
 import numpy as np
 
-from . import _call, _capi
+from . import _arrays, _directml
 
 __all__ = [
     "TensorDesc",
@@ -38,23 +39,9 @@ __all__ = [
     "batch_normalization_training_grad",
 ]
 
-MEMBERS = _capi.MEMBERS          # input, input_gradient, mean, variance, scale, output_...
+MEMBERS = _directml.MEMBERS      # input, input_gradient, mean, variance, scale, output_...
 DATA_TYPES = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-_TYPE_ERRORS = {_capi.STATUS["ERROR_DATA_TYPE"]}
-
-
-def _status(function, *args):
-    """Run a _capi function; its status codes become TypeError (data types), MemoryError or
-    ValueError (everything else)."""
-    try:
-        return function(*args)
-    except _capi.Error as exc:
-        if exc.status in _TYPE_ERRORS:
-            raise TypeError(str(exc)) from None
-        if exc.status == _capi.STATUS["ERROR_OUT_OF_MEMORY"]:
-            raise MemoryError(str(exc)) from None
-        raise ValueError(str(exc)) from None
 
 
 def _data_type(value):
@@ -106,16 +93,8 @@ class TensorDesc:
         total = total_tensor_size_in_bytes
         if total is not None:
             total = _int(total, "total_tensor_size_in_bytes")
-        minimum, total = _status(_capi.tensor_sizes,
-                               (_capi.DATA_TYPES[data_type], sizes, strides, total))
-        if strides is None:
-            packed, step = [], 1
-            for size in reversed(sizes):
-                packed.append(step)
-                step *= size
-            element_strides = tuple(reversed(packed))
-        else:
-            element_strides = strides
+        minimum, total, element_strides = _directml.tensor_sizes(
+            (_directml.DATA_TYPES[data_type], sizes, strides, total))
         for slot, value in (("_data_type", data_type), ("_sizes", sizes), ("_strides", strides),
                             ("_total", total), ("_minimum", minimum),
                             ("_element_strides", element_strides)):
@@ -189,7 +168,7 @@ class TensorDesc:
         return (self._data_type, self._sizes, self._element_strides, self._total)
 
     def _spec(self):
-        return (_capi.DATA_TYPES[self._data_type], self._sizes, self._strides, self._total)
+        return (_directml.DATA_TYPES[self._data_type], self._sizes, self._strides, self._total)
 
     def __eq__(self, other):
         if not isinstance(other, TensorDesc):
@@ -218,10 +197,8 @@ class _Operator:
             if not isinstance(desc, TensorDesc):
                 raise TypeError(f"{name} must be a bnbw_native.dml.TensorDesc, got "
                                 f"{type(desc).__name__}")
-        eps = _call.check_epsilon(epsilon)
-        self._op = _status(_capi.Operator, self._type, [d._spec() for d in descs], eps)
+        self._op = _directml.Operator(self._type, [d._spec() for d in descs], epsilon)
         self._descs = dict(zip(MEMBERS, descs))
-        self._epsilon = eps
 
     def execute(self, *, input, input_gradient, mean, variance, scale, output_gradient,
                 output_scale_gradient, output_bias_gradient, num_threads=None):
@@ -234,12 +211,12 @@ class _Operator:
         input_gradient with identical descriptors (in place).  Returns None."""
         buffers = (input, input_gradient, mean, variance, scale, output_gradient,
                    output_scale_gradient, output_bias_gradient)
-        _status(self._op.execute, buffers, _call.requested_threads(num_threads))
+        self._op.execute(buffers, num_threads)
 
     @property
     def epsilon(self):
         """The f32 epsilon, as a float."""
-        return self._epsilon
+        return self._op.epsilon
 
     @property
     def plan_kind(self):
@@ -260,7 +237,7 @@ class _Operator:
 
     def __repr__(self):
         members = ", ".join(f"{k}={v!r}" for k, v in self._descs.items())
-        return f"{type(self).__name__}({members}, epsilon={self._epsilon!r})"
+        return f"{type(self).__name__}({members}, epsilon={self.epsilon!r})"
 
 
 class BatchNormalizationGrad(_Operator):
@@ -298,7 +275,7 @@ def batch_normalization_grad(input, input_gradient, mean, variance, scale, epsil
     input's size elsewhere.  Every array float32, float16 or bfloat16 (ml_dtypes), all the same.
     Returns (output_gradient, output_scale_gradient, output_bias_gradient): output_gradient laid
     out like input, the others shaped like mean."""
-    return _array_grad(_call.FROZEN, input, input_gradient, mean, variance, scale, epsilon,
+    return _array_grad(_arrays.FROZEN, input, input_gradient, mean, variance, scale, epsilon,
                        num_threads)
 
 
@@ -306,10 +283,10 @@ def batch_normalization_training_grad(input, input_gradient, mean, variance, sca
                                       num_threads=None):
     """BatchNormalizationTrainingGrad on NumPy arrays: the training gradient.  Arguments and
     results as batch_normalization_grad."""
-    return _array_grad(_call.TRAINING, input, input_gradient, mean, variance, scale, epsilon,
+    return _array_grad(_arrays.TRAINING, input, input_gradient, mean, variance, scale, epsilon,
                        num_threads)
 
 
 def _array_grad(formula, input, input_gradient, mean, variance, scale, epsilon, num_threads):
-    return _call.backward(_capi.CONVENTION, formula, input, input_gradient, mean, variance,
+    return _arrays.backward(_directml.CONVENTION, formula, input, input_gradient, mean, variance,
                           scale, epsilon, None, None, num_threads)

@@ -1,6 +1,7 @@
 """nGraph ``BatchNormTrainingBackprop``: channel axis 1, one element type for every tensor,
 beta validated but unused (it does not enter any gradient)."""
-from ._call import TRAINING, Convention, backward
+from ._arrays import TRAINING, backward
+from ._rules import Convention
 
 NGRAPH = Convention(dict(x="input", dy="normalized_delta", mean="mean", var="variance",
                          scale="gamma", beta="beta", dx="input_delta", dscale="gamma_delta",

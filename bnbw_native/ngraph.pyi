@@ -3,7 +3,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._call import Convention
+from ._rules import Convention
 
 NGRAPH: Convention
 

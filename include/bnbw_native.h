@@ -122,7 +122,8 @@ typedef enum bnbw_status {
     BNBW_ERROR_NUM_THREADS = 9,       /* negative */
     BNBW_ERROR_ALIGNMENT = 10,        /* a buffer address not a multiple of the item size */
     BNBW_ERROR_OPERATOR_TYPE = 11,    /* not a bnbw_operator_type */
-    BNBW_ERROR_OUT_OF_MEMORY = 12
+    BNBW_ERROR_OUT_OF_MEMORY = 12,
+    BNBW_ERROR_ADDRESS = 13           /* a buffer's bytes run past the end of the address space */
 } bnbw_status;
 
 typedef struct bnbw_operator bnbw_operator;   /* opaque: an operator compiled once */

@@ -33,9 +33,21 @@ def kernels(cap):
 
 def bodies():
     """The kernel bodies this CPU runs, as BNBW_KERNELS names them, most portable first."""
-    from bnbw_native import _call, _config
-    best = {"portable": 0, "AVX2": 1, "AVX-512": 2}[_call.build_info()["cpu_kernels"]]
+    from bnbw_native import _config, _engine
+    best = {"portable": 0, "AVX2": 1, "AVX-512": 2}[_engine.build_info()["cpu_kernels"]]
     return list(_config.KERNEL_CAPS[:best + 1])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cpus_beyond_this_machine():
+    """A call runs on at most the CPUs the process may use; the tests plan as on a 64-CPU
+    machine instead, so that the thread counts they compare (3, 7, 8, ...) run teams of that
+    size here too and every schedule meets them.  Tests of the cap itself set the model back
+    (bnbw_native._engine.set_cpu_model(0))."""
+    from bnbw_native import _engine
+    _engine.set_cpu_model(64)
+    yield
+    _engine.set_cpu_model(0)
 
 
 @pytest.fixture

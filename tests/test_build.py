@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 import bnbw_native
-from bnbw_native import _call, _config
+from bnbw_native import _config, _engine
 from cext import ROOT, c_compiler
 
-COMPILED = ("_plan", "_schedules", "_call", "_capi", "_half")
+COMPILED = ("_plan", "_schedules", "_engine", "_rules", "_arrays", "_directml", "_capi",
+            "_half")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_openmp_probe_takes_cc_with_flags(setup_py, monkeypatch):
     plain = setup_py["openmp_flags"]()
     monkeypatch.setenv("CC", f"{cc} -pipe")
     assert setup_py["openmp_flags"]() == plain
-    if _call.build_info()["openmp"]:          # this very compiler built an OpenMP package
+    if _engine.build_info()["openmp"]:          # this very compiler built an OpenMP package
         assert plain == (["-fopenmp"], "")
 
 
@@ -91,7 +92,7 @@ def test_the_build_left_its_record():
     record = _config._build_record()
     assert record is not None, "setup.py writes bnbw_native/_build_info.py beside the modules"
     assert set(record) >= {"compiler", "compile_command", "extension_flags", "openmp_flags"}
-    assert ("-fopenmp" in record["openmp_flags"]) == bool(_call.build_info()["openmp"])
+    assert ("-fopenmp" in record["openmp_flags"]) == bool(_engine.build_info()["openmp"])
     assert record["compile_command"] and "-g0" in record["extension_flags"]
 
 
@@ -122,7 +123,7 @@ def test_show_config_without_a_record_says_so(monkeypatch, capsys):
 def test_show_config_dicts_hold_what_it_prints(capsys):
     facts = bnbw_native.show_config(mode="dicts")
     assert capsys.readouterr().out == ""
-    info = _call.build_info()
+    info = _engine.build_info()
     assert facts["version"] == bnbw_native.__version__
     assert facts["openmp"]["enabled"] == bool(info["openmp"])
     assert facts["kernels"]["in_use"] == info["kernels"] == _config.kernel_body()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import dml, ngraph, onednn
+from bnbw_native import dml, ngraph, intel_spec
 from error_bounds import same_bits
 
 EPS = 1e-3
@@ -89,7 +89,7 @@ def _jobs():
         ("graph-f16", graph(half, "NCX")),
         ("graph1", lambda nt: bnbw_native.batchnorm_training_backward(
             *shared_nxc, epsilon=EPS, num_outputs=1, num_threads=nt)),
-        ("intel", lambda nt: onednn.batch_norm_training_backprop(
+        ("intel", lambda nt: intel_spec.batch_norm_training_backprop(
             *shared_ncx, epsilon=EPS, data_format="NCX", num_threads=nt)),
         ("ngraph", lambda nt: ngraph.batch_norm_training_backprop(
             shared_ncx[0], shared_ncx[4], shared_ncx[2], shared_ncx[2], shared_ncx[3],
@@ -200,7 +200,7 @@ def _gil_calls():
     return {
         "batchnorm_training_backward": lambda: bnbw_native.batchnorm_training_backward(
             x, dy, mean, var, gamma, epsilon=EPS, data_format="NCX", num_threads=1),
-        "onednn": lambda: onednn.batch_norm_training_backprop(
+        "onednn": lambda: intel_spec.batch_norm_training_backprop(
             x, dy, mean, var, gamma, epsilon=EPS, data_format="NCX", num_threads=1),
         "ngraph": lambda: ngraph.batch_norm_training_backprop(
             x, gamma, mean, mean, var, dy, epsilon=EPS, num_threads=1),

@@ -50,7 +50,7 @@ SHOW = "import bnbw_native; bnbw_native.show_config()"
 
 def test_no_cap_runs_the_best_body_the_cpu_has():
     out, _ = _fresh(SHOW)
-    best = _config._call.build_info()["cpu_kernels"]
+    best = _config._engine.build_info()["cpu_kernels"]
     assert _kernels_line(out).split()[1] == best
 
 
@@ -63,7 +63,7 @@ def test_portable_cap_runs_the_portable_body():
 
 @pytest.mark.parametrize("cap", ["avx2", "avx512", "AVX2"])
 def test_a_cap_above_the_cpu_falls_back_to_the_best_it_runs(cap):
-    best = BODIES.index(_config._call.build_info()["cpu_kernels"])
+    best = BODIES.index(_config._engine.build_info()["cpu_kernels"])
     wanted = {"avx2": 1, "avx512": 2}[cap.lower()]
     out, err = _fresh(SHOW, cap)
     assert _kernels_line(out).split()[1] == BODIES[min(best, wanted)]
@@ -73,7 +73,7 @@ def test_a_cap_above_the_cpu_falls_back_to_the_best_it_runs(cap):
 def test_an_unknown_value_is_ignored_with_a_warning():
     out, err = _fresh(SHOW, "sse9")
     assert "BNBW_KERNELS" in err and "sse9" in err
-    best = _config._call.build_info()["cpu_kernels"]
+    best = _config._engine.build_info()["cpu_kernels"]
     assert _kernels_line(out).split()[1] == best
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import bnbw_native as bn
-from bnbw_native import dml, ngraph, onednn, reference
+from bnbw_native import dml, ngraph, intel_spec, reference
 from error_bounds import assert_close, same_bits
 
 try:
@@ -58,7 +58,7 @@ def test_intel_spec_matches_reference(t1, t2, data_format, shape, with_gamma):
     axis = 1 if data_format == "NCX" else len(shape) - 1
     x, dy, mean, var, gamma, _ = make(shape, axis, t1, t2)
     gamma = gamma if with_gamma else None
-    got = onednn.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=1e-3,
+    got = intel_spec.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=1e-3,
                                               data_format=data_format)
     assert isinstance(got, tuple) and len(got) == 3
     ref = reference.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3,
@@ -68,7 +68,7 @@ def test_intel_spec_matches_reference(t1, t2, data_format, shape, with_gamma):
 
 def test_intel_spec_is_the_graph_training_result():
     x, dy, mean, var, gamma, _ = make((5, 8, 9), 2)
-    a = onednn.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=1e-5)
+    a = intel_spec.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=1e-5)
     b = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5)
     assert same_bits(a, b)
 
@@ -89,7 +89,7 @@ def test_intel_spec_errors_name_its_arguments(kwargs, error, name):
                 variance=np.ones(3, np.float32), gamma=None, epsilon=1e-5)
     args.update(kwargs)
     with pytest.raises(error, match=name):
-        onednn.batch_norm_training_backprop(**args)
+        intel_spec.batch_norm_training_backprop(**args)
 
 
 # ---- nGraph BatchNormTrainingBackprop -------------------------------------------------
@@ -243,7 +243,7 @@ def _front_end_results():
     calls = {
         "graph": lambda: bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-4,
                                                         data_format="NCX"),
-        "intel": lambda: onednn.batch_norm_training_backprop(x, dy, mean, var, gamma,
+        "intel": lambda: intel_spec.batch_norm_training_backprop(x, dy, mean, var, gamma,
                                                              epsilon=1e-4, data_format="NCX"),
         "ngraph": lambda: ngraph.batch_norm_training_backprop(x, gamma, beta, mean, var, dy,
                                                               epsilon=1e-4),

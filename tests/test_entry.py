@@ -1,4 +1,4 @@
-"""The one way into the engine (bnbw_native._call): every front-end goes through it.
+"""The one way into the engine (bnbw_native._engine): every front-end goes through it.
 
 Plain NumPy arrays and every other kind of array argument take the same path, so they give the
 same bits and the same refusals; the edge-case rules (an empty batch) hold in every front-end,
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import _call, _schedules, backward_apply, backward_reduce, dml, ngraph, onednn
-from bnbw_native._graph import GRAPH
+from bnbw_native import _arrays, _schedules, backward_apply, dml, ngraph, intel_spec
+from bnbw_native._onednn_graph import GRAPH
 from conftest import BF16
 
 try:
@@ -104,7 +104,7 @@ def _empty_stats(C=3):
 EMPTY_CALLS = {
     "graph": lambda x, m, v, g: bnbw_native.batchnorm_training_backward(
         x, x, m, v, g, epsilon=1e-5, data_format="NCX"),
-    "intel": lambda x, m, v, g: onednn.batch_norm_training_backprop(
+    "intel": lambda x, m, v, g: intel_spec.batch_norm_training_backprop(
         x, x, m, v, g, epsilon=1e-5, data_format="NCX"),
     "ngraph": lambda x, m, v, g: ngraph.batch_norm_training_backprop(x, g, g, m, v, x,
                                                                      epsilon=1e-5),
@@ -147,10 +147,10 @@ def test_empty_batch_gives_zero_parameter_gradients_through_an_operator():
 
 # ---- the plan and schedule a call gets ----------------------------------------------------
 
-def describe(x, data_format, formula=_call.TRAINING, num_threads=1, **kw):
+def describe(x, data_format, formula=_arrays.TRAINING, num_threads=1, **kw):
     C = x.shape[-1 if data_format == "NXC" else 1]
     mean, var = np.zeros(C, np.float32), np.ones(C, np.float32)
-    return _call.describe(GRAPH, formula, x, x, mean, var, None, 1e-5, data_format,
+    return _arrays.describe(GRAPH, formula, x, x, mean, var, None, 1e-5, data_format,
                           num_threads, **kw)
 
 
@@ -166,13 +166,13 @@ def cache_model():
 
 
 @pytest.mark.parametrize("shape, data_format, threads, formula, cache, schedule", [
-    ((32, 14, 14, 64), "NXC", 2, _call.TRAINING, SMALL_CACHE, "last-split"),
-    ((32, 14, 14, 64), "NXC", 2, _call.FROZEN_DX, SMALL_CACHE, "last-split"),
-    ((32, 64, 14, 14), "NCX", 2, _call.TRAINING, SMALL_CACHE, "major-sweep-fused"),
-    ((1, 4, 70000), "NCX", 2, _call.TRAINING, SMALL_CACHE, "major-channel-fused"),
-    ((32, 64, 14, 14), "NCX", 2, _call.FROZEN_DX, SMALL_CACHE, "major-sweep"),
-    ((1, 2, 70000), "NCX", 2, _call.FROZEN_DX, SMALL_CACHE, "major-blocks"),
-    ((0, 4, 3), "NCX", 2, _call.TRAINING, SMALL_CACHE, "nothing"),
+    ((32, 14, 14, 64), "NXC", 2, _arrays.TRAINING, SMALL_CACHE, "last-split"),
+    ((32, 14, 14, 64), "NXC", 2, _arrays.FROZEN_DX, SMALL_CACHE, "last-split"),
+    ((32, 64, 14, 14), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-sweep-fused"),
+    ((1, 4, 70000), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-channel-fused"),
+    ((32, 64, 14, 14), "NCX", 2, _arrays.FROZEN_DX, SMALL_CACHE, "major-sweep"),
+    ((1, 2, 70000), "NCX", 2, _arrays.FROZEN_DX, SMALL_CACHE, "major-blocks"),
+    ((0, 4, 3), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "nothing"),
 ])
 def test_describe_names_the_schedule(cache_model, shape, data_format, threads, formula, cache,
                                      schedule):

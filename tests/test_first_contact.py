@@ -52,7 +52,7 @@ def test_bnbw_import_works_in_a_fresh_interpreter(first_user, tmp_path, before):
         import sys
         {before}
         import bnbw_first_user
-        assert ("bnbw_native._capi" in sys.modules) == {"dml" in before}
+        assert ("bnbw_native._directml" in sys.modules) == {"dml" in before}
         print(*bnbw_first_user.version())
     """)
     done = run_python(["-c", code], first_user, cwd=tmp_path)
@@ -97,4 +97,4 @@ def test_a_broken_install_keeps_its_own_error(tmp_path):
     done = run_python(["-c", "import bnbw_native"], cwd=tree)
     assert done.returncode != 0
     assert "source tree" not in done.stderr
-    assert "_call" in done.stderr.strip().splitlines()[-1]
+    assert "_engine" in done.stderr.strip().splitlines()[-1]

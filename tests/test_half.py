@@ -84,10 +84,6 @@ def test_simd_path_names_the_code_taken():
         assert _half.simd_path() == "portable"
 
 
-def test_max_threads_is_positive():
-    assert _half._max_threads() >= 1
-
-
 # ---------------------------------------------------------------------------- widening, exhaustive
 
 def test_float16_to_float32_all_patterns(path):

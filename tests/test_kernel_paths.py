@@ -12,7 +12,7 @@ that the bodies round special values alike (NaN payloads and signs aside).
 import numpy as np
 import pytest
 
-from bnbw_native import _call, _config, backward_apply, backward_reduce, batchnorm_training_backward, dml
+from bnbw_native import _config, _engine, backward_apply, backward_reduce, batchnorm_training_backward, dml
 from conftest import BF16, bodies, kernels, make_layout
 
 DTYPES = [np.float16, np.float32] + ([BF16] if BF16 is not None else [])
@@ -251,7 +251,7 @@ def test_forcing_a_body_is_visible(body):
     with kernels(body):
         assert _config.kernel_body() == {"portable": "portable", "avx2": "AVX2",
                                          "avx512": "AVX-512"}[body]
-        assert (_call.build_info()["half_path"] == "portable") == (body == "portable")
+        assert (_engine.build_info()["half_path"] == "portable") == (body == "portable")
     assert _config.kernel_body() == before
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import dml, ngraph, onednn
+from bnbw_native import dml, ngraph, intel_spec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "bench"))
@@ -126,7 +126,7 @@ def _call_mix():
                                                         data_format="NCX", out=out),
         lambda: bnbw_native.batchnorm_training_backward(h, h, m, v, epsilon=EPS,
                                                         data_format="NCX", num_outputs=1),
-        lambda: onednn.batch_norm_training_backprop(x, dy, m, v, g, epsilon=EPS,
+        lambda: intel_spec.batch_norm_training_backprop(x, dy, m, v, g, epsilon=EPS,
                                                     data_format="NCX"),
         lambda: ngraph.batch_norm_training_backprop(x, g, m, m, v, dy, epsilon=EPS),
         lambda: bnbw_native.backward_reduce(x, dy, m, data_format="NCX"),
@@ -408,7 +408,7 @@ def test_python_layer_copies_no_input(front):
             x, dy, m, v, g, epsilon=EPS, data_format="NCX", out=out),
         "graph-f16-negative": lambda: bnbw_native.batchnorm_training_backward(
             x, dy, m, v, g, epsilon=EPS, data_format="NCX", out=out),
-        "intel": lambda: onednn.batch_norm_training_backprop(
+        "intel": lambda: intel_spec.batch_norm_training_backprop(
             x, dy, m, v, g, epsilon=EPS, data_format="NCX", out=out),
         "ngraph": lambda: ngraph.batch_norm_training_backprop(
             x, g, m, m, v, dy, epsilon=EPS, out=out),

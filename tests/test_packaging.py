@@ -126,7 +126,7 @@ def test_sdist_holds_no_build_products(sdist):
     files = _sdist_files(sdist[1])
     generated = [n for n in files if _built(n)]
     assert generated == []
-    assert {"bnbw_native/_call.pyx", "src/body_choice.c", "include/bnbw_native.h",
+    assert {"bnbw_native/_engine.pyx", "src/body_choice.c", "include/bnbw_native.h",
             "MANIFEST.in"} <= files
 
 
@@ -141,10 +141,10 @@ def test_package_files_hold_no_generated_c(sdist, tmp_path):
     names = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*") if p.is_file()}
     assert not [n for n in names if n.endswith((".c", ".html"))]   # compiled in, or generated
     assert "_build_info.py" not in names               # written by build_ext only
-    assert {"py.typed", "__init__.py", "_call.pyx", "include/bnbw_native.h"} <= names
+    assert {"py.typed", "__init__.py", "_engine.pyx", "include/bnbw_native.h"} <= names
     # the public C API only: the kernels' private headers stay in the source tree (src/)
     assert {n for n in names if n.startswith("include/")} == {"include/bnbw_native.h"}
-    assert {n for n in names if n.endswith(".pyi")} >= {"_call.pyi", "dml.pyi", "half.pyi"}
+    assert {n for n in names if n.endswith(".pyi")} >= {"_engine.pyi", "dml.pyi", "half.pyi"}
 
 
 @pytest.mark.slow

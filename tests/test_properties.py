@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bnbw_native
-from bnbw_native import dml, ngraph, onednn
+from bnbw_native import dml, ngraph, intel_spec
 from error_bounds import (ARITH, BF16, BLOCKED_SUMS, F16, F32, SUMS, Sentinel, assert_within,
                           expected, same_bits, strided)
 
@@ -167,7 +167,7 @@ def _call_front(front, c, out, num_threads, eps):
             data_format=c["data_format"], num_outputs=3 if front == "graph3" else 1, out=out,
             num_threads=num_threads)
     if front == "intel":
-        return onednn.batch_norm_training_backprop(
+        return intel_spec.batch_norm_training_backprop(
             c["x"], c["dy"], c["mean"], c["var"], c["gamma"], epsilon=eps,
             data_format=c["data_format"], out=out, num_threads=num_threads)
     return ngraph.batch_norm_training_backprop(c["x"], c["gamma"], c["beta"], c["mean"],

@@ -8,7 +8,6 @@ count; diff_residual receives g itself.
 import numpy as np
 import pytest
 
-import bnbw_native
 from bnbw_native import backward_apply, backward_reduce, batchnorm_training_backward, reference
 from conftest import BF16, make_layout
 

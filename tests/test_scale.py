@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import dml, ngraph, onednn
+from bnbw_native import dml, ngraph, intel_spec
 from error_bounds import BF16, F16, F32, assert_close, assert_within, expected, same_bits
 
 EPS = 1e-3
@@ -217,7 +217,7 @@ def _poisoned_call(front, layout, t1, where, value):
             x, dy, mean, var, gamma, epsilon=EPS, data_format=fmt,
             num_outputs=3 if front == "graph3" else 1)
     elif front == "intel":
-        got = onednn.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=EPS,
+        got = intel_spec.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=EPS,
                                                   data_format=fmt)
     elif front == "ngraph":
         xs, dys = (np.moveaxis(a, axis, 1) for a in (x, dy))

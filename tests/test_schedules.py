@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from bnbw_native import _call, _schedules, backward_apply, backward_reduce, batchnorm_training_backward
-from bnbw_native._graph import GRAPH
+from bnbw_native import _arrays, _schedules, backward_reduce, batchnorm_training_backward
+from bnbw_native._onednn_graph import GRAPH
 from conftest import BF16
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
@@ -84,7 +84,7 @@ def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, d
         cache_model(*model)
         for threads in THREADS:
             assert run(threads) == want, (model, threads)
-            schedules.add(_call.describe(GRAPH, _call.TRAINING, x, dy, mean, var, gamma, 1e-5,
+            schedules.add(_arrays.describe(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, 1e-5,
                                          data_format, threads)["schedule"])
     if data_format == "NCX":
         assert "major-sweep-fused" in schedules         # fused groups of several sizes met

@@ -15,8 +15,9 @@ from cext import PACKAGE_PARENT, ROOT
 
 PACKAGE = Path(bnbw_native.__file__).resolve().parent
 TYPED_EXAMPLES = [ROOT / "examples" / "numpy_arrays.py", ROOT / "examples" / "dml_raw_buffers.py"]
-STUBBED = ["_graph", "_twophase", "onednn", "ngraph", "dml", "half", "reference",
-           "_call", "_capi", "_half", "_plan", "_schedules"]
+STUBBED = ["_onednn_graph", "_two_phase", "intel_spec", "onednn", "ngraph", "dml", "half",
+           "reference", "_arrays", "_rules", "_engine", "_directml", "_capi", "_half", "_plan",
+           "_schedules"]
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +103,9 @@ bnbw_native\\._\\w+\\.__test__
 bnbw_native\\._\\w+\\.__reduce_cython__
 bnbw_native\\._\\w+\\.__setstate_cython__
 # extension types: no introspectable __init__ (the arguments go to __cinit__), disjoint bases
-bnbw_native\\._capi\\.Operator\\.__init__
-bnbw_native\\._capi\\.Operator
-bnbw_native\\._call\\.Convention
+bnbw_native\\._directml\\.Operator\\.__init__
+bnbw_native\\._directml\\.Operator
+bnbw_native\\._rules\\.Convention
 """
 
 

@@ -1,6 +1,6 @@
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 
-from bnbw_native._engine cimport N_ROLES, bnbw_status
+from bnbw_native._vocabulary cimport Layout, N_ROLES, bnbw_status
 
 cdef enum:
     ARG_DIMS = 64        # an argument's dims as the caller gave them (NumPy's limit)
@@ -17,14 +17,6 @@ cdef enum Family:
 cdef enum DtypeRule:
     RULE_GRAPH = 0       # T1 in {f32, bf16, f16}, T2 in {f32, bf16}, T2 = bf16 only with T1 = bf16
     RULE_SAME = 1        # one element type for every tensor
-
-# What a call does, by the name a front-end gives it.
-cdef enum Formula:
-    F_TRAINING = 0       # dx, dscale, dbias of the training forward
-    F_FROZEN_DX = 1      # oneDNN Graph's diff_src-only result: scale validated, then ignored
-    F_FROZEN = 2         # DirectML's BatchNormalizationGrad: frozen dx, dscale, dbias
-    F_REDUCE = 3         # the two-phase sums
-    F_APPLY = 4          # the two-phase apply with given sums
 
 ctypedef struct Arg:
     # One tensor argument as the layer checks it: what the caller gave, nothing derived.
@@ -52,14 +44,19 @@ ctypedef struct Epsilon:
     double value
     char text[48]            # the caller's value as Python prints it
 
-cdef int formula_op(int formula) noexcept nogil
 cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
-                            int64_t count, char *msg, size_t cap) noexcept nogil
-cdef int engine_layout(const Rules *r, const Arg *a, int axis, int64_t *sizes,
-                       unsigned char *reduced, int64_t *strides,
-                       unsigned char *present) noexcept nogil
-cdef int resolve_threads(int requested) noexcept nogil
+                            int64_t count, int64_t *channels, char *msg,
+                            size_t cap) noexcept nogil
+cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept nogil
 cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil
+cdef int parse_epsilon(object value, Epsilon *e) except -1
+cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *msg,
+                                     size_t cap) noexcept nogil
+cdef bint ranges_overlap(uintptr_t a, uint64_t a_bytes, uintptr_t b,
+                         uint64_t b_bytes) noexcept nogil
+cdef const char *type_text(int dtype) noexcept nogil
+cdef void copy_name(char *dst, str text, size_t cap)
+cdef raise_status(bnbw_status rc, const char *msg)
 
 cdef class Convention:
     cdef Rules rules

@@ -3,8 +3,8 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._call import Convention
-from ._graph import BackwardResult
+from ._rules import Convention
+from ._onednn_graph import BackwardResult
 
 TWO_PHASE: Convention
 

@@ -3,7 +3,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._call import FROZEN_DX, TRAINING, Convention, backward, check_choice, check_int_choice
+from ._arrays import FROZEN_DX, TRAINING, backward, check_choice, check_int_choice
+from ._rules import Convention
 
 GRAPH = Convention(dict(x="src", dy="diff_dst", mean="mean", var="variance", scale="gamma",
                         dx="diff_src", dscale="diff_gamma", dbias="diff_beta",

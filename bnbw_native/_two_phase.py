@@ -6,8 +6,9 @@ Format of `partial`: a C-contiguous float64 array of shape (2, C), row 0 = Sum d
 Sum (x - mean) * dy.  Single-process training equals reduce -> apply bit for bit, because both
 run the same block partition and the same coefficient code.
 """
-from ._call import APPLY, REDUCE, Convention, backward, check_choice
-from ._graph import BackwardResult
+from ._arrays import APPLY, REDUCE, backward, check_choice
+from ._onednn_graph import BackwardResult
+from ._rules import Convention
 
 TWO_PHASE = Convention(dict(x="x", dy="dy", mean="mean", var="variance", scale="gamma",
                             dx="diff_src", dscale="diff_gamma", dbias="diff_beta",

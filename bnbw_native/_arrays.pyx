@@ -1,0 +1,359 @@
+# cython: language_level=3
+"""Array calls: Python objects in, checked, outputs allocated, run.
+
+The array conventions (oneDNN Graph, the Intel spec, nGraph, the two phases, DirectML's array
+conveniences; the torch layers through them) call `backward` with their `Convention`:
+
+    marshal (Python objects -> Args, with the GIL) -> check_call (bnbw_native._rules, no GIL)
+    -> allocate the outputs not given -> layout -> bnbw_native._engine
+
+NumPy arrays are read directly; anything else goes through NumPy once (DLPack, buffers, lists).
+"""
+import numbers
+
+import numpy as np
+
+cimport numpy as cnp
+from cpython.mem cimport PyMem_Malloc, PyMem_Free
+from libc.stdint cimport int64_t
+from libc.string cimport memcpy, strncpy
+
+from bnbw_native._vocabulary cimport (
+    Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
+    S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64,
+    OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS, OP_EXACT_SUMS, DO_TRAINING, DO_FROZEN_DX,
+    DO_FROZEN, DO_REDUCE, DO_APPLY, bnbw_status, BNBW_OK)
+from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, FAMILY_ARRAYS,
+                                 FAMILY_DIRECTML, NAME_EPSILON, NAME_CAP, MESSAGE_CAP,
+                                 check_call, layout_of, check_epsilon_value, copy_name,
+                                 parse_epsilon, raise_status)
+from bnbw_native._engine cimport engine_run, engine_describe
+
+from bnbw_native._engine import requested_threads
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_NewLikeArray(cnp.ndarray prototype, cnp.NPY_ORDER order, void *descr,
+                                int subok)
+
+# What a call does, as the front-ends name it.
+TRAINING, FROZEN_DX, FROZEN, REDUCE, APPLY = DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE, DO_APPLY
+
+
+# ---------------------------------------------------------------------------------------
+# Marshalling: Python objects -> Args (the only part that needs the GIL)
+# ---------------------------------------------------------------------------------------
+
+cdef int _bfloat16_type = -1      # ml_dtypes' bfloat16, a user dtype: its number once seen
+
+
+cdef void _fill(Arg *a, cnp.ndarray arr) except *:
+    """a describes arr's memory; dtype codes for the types the layer knows, named others."""
+    global _bfloat16_type
+    cdef int t = cnp.PyArray_TYPE(arr), d
+    cdef int code = DT_OTHER
+    cdef const char *name = NULL
+    a.present = True
+    a.data = <char *> cnp.PyArray_DATA(arr)
+    a.ndim = cnp.PyArray_NDIM(arr)
+    for d in range(a.ndim):
+        a.shape[d] = cnp.PyArray_DIMS(arr)[d]
+        a.strides[d] = cnp.PyArray_STRIDES(arr)[d]
+    a.writable = cnp.PyArray_ISWRITEABLE(arr)
+    a.aligned = cnp.PyArray_ISALIGNED(arr)
+    if cnp.PyArray_ISNOTSWAPPED(arr):
+        if t == cnp.NPY_FLOAT:
+            code, name = DT_F32, "float32"
+        elif t == cnp.NPY_FLOAT16:
+            code, name = DT_F16, "float16"
+        elif t == cnp.NPY_BOOL:
+            code, name = DT_BOOL, "bool"
+        elif t == cnp.NPY_DOUBLE:
+            code, name = DT_F64, "float64"
+        elif t == _bfloat16_type:
+            code, name = DT_BF16, "bfloat16"
+        elif t >= 256 and _bfloat16_type < 0 and arr.dtype.name == "bfloat16":
+            _bfloat16_type = t
+            code, name = DT_BF16, "bfloat16"
+    a.dtype = code
+    if name != NULL:
+        strncpy(a.type_name, name, 39)
+    elif cnp.PyArray_ISNOTSWAPPED(arr):
+        copy_name(a.type_name, str(arr.dtype), 40)
+    else:
+        copy_name(a.type_name, f"{arr.dtype.str} (non-native byte order)", 40)
+    a.type_name[39] = 0
+
+
+def as_array(obj, name):
+    """An ndarray viewing `obj` (ndarray, DLPack producer, buffer or array interface), without
+    a copy where NumPy can avoid one; TypeError naming `name` for anything that is not an
+    array of numbers."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    if obj is None or isinstance(obj, (str, bytes, numbers.Number)):
+        raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
+    try:
+        if hasattr(obj, "__dlpack__"):
+            return np.from_dlpack(obj)
+        arr = np.asarray(obj)
+    except Exception as exc:  # any failure to view the object is a wrong kind of object
+        raise TypeError(f"{name} must be an array (NumPy, buffer or DLPack), "
+                        f"got {type(obj).__name__} ({exc})") from exc
+    if arr.dtype == object:
+        raise TypeError(f"{name} must be an array of numbers, got {type(obj).__name__}")
+    return arr
+
+
+cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep):
+    """An input argument: any array-like; copied only when the kernels could not read it in
+    place (non-native byte order, misaligned).  Returns the array the engine reads."""
+    cdef cnp.ndarray arr
+    if cnp.PyArray_Check(obj):
+        arr = <cnp.ndarray> obj
+    else:
+        arr = as_array(obj, conv.rules.names[role].decode())
+        keep.append(arr)
+    if not (cnp.PyArray_ISNOTSWAPPED(arr) and cnp.PyArray_ISALIGNED(arr)):
+        if not cnp.PyArray_ISNOTSWAPPED(arr):
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        if not cnp.PyArray_ISALIGNED(arr):
+            arr = arr.copy()
+        keep.append(arr)
+    _fill(a, arr)
+    return arr
+
+
+cdef object _output(object obj, Arg *a, str label):
+    """A given output: a NumPy array, or a DLPack producer written in place.  Returns the
+    array that views it."""
+    if cnp.PyArray_Check(obj):
+        arr = obj
+    elif hasattr(obj, "__dlpack__"):
+        try:
+            arr = np.from_dlpack(obj)
+        except Exception as exc:  # requires grad, a read-only legacy capsule, bf16, GPU
+            if "readonly" in str(exc).replace("-", "").replace(" ", "").lower():
+                raise ValueError(f"{label} is read-only; outputs must be writable") from exc
+            raise TypeError(f"{label} must be a writable CPU array; its DLPack export "
+                            f"failed: {exc}") from exc
+    else:
+        raise TypeError(f"{label} must be a NumPy array, got {type(obj).__name__}")
+    _fill(a, <cnp.ndarray> arr)
+    return arr
+
+
+def check_choice(value, name, choices):
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {', '.join(choices)}; "
+                        f"got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def check_int_choice(value, name, choices):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, one of {choices}, got {type(value).__name__}")
+    if int(value) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value}")
+    return int(value)
+
+
+def check_epsilon(value, name="epsilon"):
+    """The f32 epsilon as a Python float, or TypeError / ValueError."""
+    cdef Epsilon e
+    cdef Rules r
+    cdef char msg[MESSAGE_CAP]
+    parse_epsilon(value, &e)
+    copy_name(r.names[NAME_EPSILON], name, NAME_CAP)
+    if check_epsilon_value(&r, &e, msg, MESSAGE_CAP) != BNBW_OK:
+        raise ValueError(msg.decode())
+    return float(<float> e.value)
+
+
+# ---------------------------------------------------------------------------------------
+# The array call
+# ---------------------------------------------------------------------------------------
+
+ctypedef struct Call:
+    # A checked array call, ready for the engine (its Args live on the caller's stack).
+    int op               # DO_* (and OP_EXACT_SUMS)
+    int axis             # x's channel axis, 0..ndim-1 (array conventions)
+    Epsilon eps
+    int64_t count        # the two-phase global count, -1 otherwise
+    int64_t channels     # C, as the checks found it
+    int requested        # num_threads as given (0: none)
+
+
+cdef int _OUT_ROLES[3]
+_OUT_ROLES[:] = [S_DX, S_DSCALE, S_DBIAS]
+
+
+cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, epsilon,
+                     data_format, out, num_threads, beta, relu_dst, diff_residual, partial,
+                     count):
+    """Marshal, check and allocate: everything of a call but running it.  Returns (results,
+    keep): the output arrays, and the arrays the call must keep alive."""
+    cdef const Rules *r = &conv.rules
+    cdef char msg[MESSAGE_CAP]
+    cdef bnbw_status rc
+    cdef int t, n_out
+    cdef int op = c.op
+    cdef cnp.npy_intp C
+    cdef cnp.ndarray X, M
+    cdef list keep = []
+    cdef bint reduce_only = (op & OP_RETURN_SUMS) != 0
+    for t in range(N_ROLES):
+        a[t].present = False
+        a[t].data = NULL
+    X = _input(x, &a[S_X], conv, S_X, keep)
+    c.axis = 0
+    if r.family == FAMILY_ARRAYS:
+        c.axis = 1 if data_format == "NCX" else a[S_X].ndim - 1
+    _input(dy, &a[S_DY], conv, S_DY, keep)
+    M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep)
+    if var is not None or not reduce_only:
+        _input(var, &a[S_VAR], conv, S_VAR, keep)
+    if scale is not None or r.scale_required:
+        _input(scale, &a[S_SCALE], conv, S_SCALE, keep)
+    if r.names[S_BETA][0]:
+        _input(beta, &a[S_BETA], conv, S_BETA, keep)
+    if relu_dst is not None:
+        _input(relu_dst, &a[S_MASK], conv, S_MASK, keep)
+    c.eps.value = 1.0
+    if not reduce_only:
+        parse_epsilon(epsilon, &c.eps)
+    c.requested = requested_threads(num_threads)
+    c.count = -1
+    if op & OP_GIVEN_SUMS:
+        try:
+            _input(partial, &a[S_PARTIAL], conv, S_PARTIAL, keep)
+        except TypeError:
+            raise TypeError("partial must be a float64 array of shape (2, C) from "
+                            "backward_reduce") from None
+        if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral):
+            raise TypeError(f"count must be an int, got {type(count).__name__}")
+        if count >= 2 ** 63:
+            raise ValueError(f"count must be below 2**63, got {count}")
+        c.count = count if count >= 0 else -1
+    n_out = 0
+    if r.family == FAMILY_ARRAYS and not reduce_only:
+        n_out = 3 if op & OP_PARAMS else 1
+    given = None
+    if out is not None:
+        if type(out) is not tuple and type(out) is not list:
+            raise TypeError(f"out must be a tuple of {n_out} arrays, got {type(out).__name__}")
+        if len(out) != n_out:
+            raise ValueError(f"out must hold {n_out} arrays (one per output), got {len(out)}")
+        given = [_output(out[t], &a[_OUT_ROLES[t]], r.labels[_OUT_ROLES[t]].decode())
+                 for t in range(n_out)]
+    if diff_residual is not None:
+        keep.append(_output(diff_residual, &a[S_DRES], r.labels[S_DRES].decode()))
+
+    with nogil:
+        rc = check_call(r, a, op, c.axis, NULL if reduce_only else &c.eps, c.count,
+                        &c.channels, msg, MESSAGE_CAP)
+    if rc != BNBW_OK:
+        raise_status(rc, msg)
+
+    # outputs the caller did not give
+    if reduce_only or given is not None:
+        return given, keep
+    results = [PyArray_NewLikeArray(X, cnp.NPY_KEEPORDER, NULL, 0)]
+    if r.family == FAMILY_DIRECTML:
+        shape = tuple(a[S_MEAN].shape[t] for t in range(a[S_MEAN].ndim))
+        results += [np.empty(shape, X.dtype), np.empty(shape, X.dtype)]
+    elif n_out == 3:
+        C = c.channels
+        results += [cnp.PyArray_EMPTY(1, &C, cnp.PyArray_TYPE(M), 0),
+                    cnp.PyArray_EMPTY(1, &C, cnp.PyArray_TYPE(M), 0)]
+    for t in range(len(results)):
+        _fill(&a[_OUT_ROLES[t]], <cnp.ndarray> results[t])
+    return results, keep
+
+
+cdef object _run(Convention conv, const Call *c, Arg *a, results):
+    cdef Layout layout
+    cdef char *ptr[N_SLOTS]
+    cdef int t
+    cdef bnbw_status rc
+    cdef int64_t C = c.channels, ch, pstride0, pstride1
+    cdef double *sums = NULL
+    cdef const char *pdata
+    cdef cnp.ndarray partial_out = None
+    layout_of(&conv.rules, a, c.axis, &layout)
+    for t in range(N_SLOTS):
+        ptr[t] = a[t].data if a[t].present else NULL
+    if c.op & ~OP_EXACT_SUMS == DO_FROZEN_DX:
+        ptr[S_SCALE] = NULL          # diff_src only: gamma validated, then ignored
+    if c.op & (OP_RETURN_SUMS | OP_GIVEN_SUMS):
+        sums = <double *> PyMem_Malloc((2 * C + 1) * sizeof(double))
+        if sums == NULL:
+            raise MemoryError("bnbw_native: out of memory for the sums")
+    if c.op & OP_GIVEN_SUMS:       # the caller's (2, C) sums, any strides, as [Sg, Sxg] per channel
+        pdata = a[S_PARTIAL].data
+        pstride0 = a[S_PARTIAL].strides[0]
+        pstride1 = a[S_PARTIAL].strides[1]
+        for ch in range(C):
+            memcpy(&sums[2 * ch], pdata + ch * pstride1, 8)
+            memcpy(&sums[2 * ch + 1], pdata + pstride0 + ch * pstride1, 8)
+    try:
+        with nogil:
+            rc = engine_run(&layout, ptr, c.op, <float> c.eps.value, <double> c.count, sums,
+                            c.requested)
+        if rc != BNBW_OK:
+            raise MemoryError("bnbw_native: out of memory")
+        if c.op & OP_RETURN_SUMS:
+            partial_out = np.empty((2, C))
+            for ch in range(C):
+                (<double *> cnp.PyArray_DATA(partial_out))[ch] = sums[2 * ch]
+                (<double *> cnp.PyArray_DATA(partial_out))[C + ch] = sums[2 * ch + 1]
+            return partial_out, _local_count(&layout)
+    finally:
+        PyMem_Free(sums)
+    if len(results) == 1:
+        return results[0], None, None
+    return tuple(results)
+
+
+cdef int64_t _local_count(const Layout *l):
+    """M of this call: the product of the reduced sizes."""
+    cdef int64_t m = 1
+    cdef int d
+    for d in range(l.ndim):
+        if l.reduced[d]:
+            m *= l.sizes[d]
+    return m
+
+
+def backward(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None,
+             data_format="NXC", out=None, num_threads=None, *, beta=None, relu_dst=None,
+             diff_residual=None, partial=None, count=None, bint exact_sums=False):
+    """Check and run one array call of `conv`.  Returns (dx, dscale, dbias) - dscale and dbias
+    None for FROZEN_DX - or, for REDUCE, ((2, C) float64 sums, count)."""
+    cdef Arg a[N_ROLES]
+    cdef Call c
+    c.op = formula | (OP_EXACT_SUMS if exact_sums else 0)
+    results, keep = _prepare(conv, &c, a, x, dy, mean, var, scale, epsilon, data_format, out,
+                             num_threads, beta, relu_dst, diff_residual, partial, count)
+    try:
+        return _run(conv, &c, a, results)
+    finally:
+        del keep          # the copies the kernels read live until they are done
+
+
+def describe(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None,
+             data_format="NXC", num_threads=None, *, beta=None, relu_dst=None,
+             diff_residual=None, partial=None, count=None, bint exact_sums=False):
+    """What the engine would do with this call, without running it: the plan and the schedule
+    as a dict (for tests and benchmarks)."""
+    cdef Arg a[N_ROLES]
+    cdef Call c
+    cdef Layout layout
+    c.op = formula | (OP_EXACT_SUMS if exact_sums else 0)
+    _prepare(conv, &c, a, x, dy, mean, var, scale, epsilon, data_format, None, num_threads,
+             beta, relu_dst, diff_residual, partial, count)
+    layout_of(&conv.rules, a, c.axis, &layout)
+    return engine_describe(&layout, c.op, c.requested)

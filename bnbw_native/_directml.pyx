@@ -1,0 +1,536 @@
+# cython: language_level=3
+"""DirectML's batch-normalization gradient operators: descriptors, operators, bound buffers.
+
+Design
+------
+The vocabulary of DirectML lives here: its eight members (input, input_gradient, mean,
+variance, scale, output_gradient, output_scale_gradient, output_bias_gradient), what makes a
+DML_BUFFER_TENSOR_DESC valid (`layout_check`, `tensor_check`), its convention for the
+validation layer (`RULES`), and the operator: `op_create` checks every descriptor once, runs the
+validation layer's `check_call` and plans; `op_execute` checks the bound buffers and runs the
+plan through the engine.  All of it runs without the GIL and touches no Python object, so the C
+API (bnbw_native._capi, thin shells over these functions) and bnbw_native.dml (through the
+Python layer at the bottom: `tensor_sizes`, `Operator`) share every rule and message.
+
+Members are indexed by the engine's slots; MEMBER_SLOTS lists them in descriptor order.
+Descriptors hold strides in elements; the engine gets byte strides, 0 on size-1 dims (so a huge
+stride on a size-1 dim can never overflow), and the reduced dims "mean's size is 1".  Buffers
+bound at execute time are raw memory regions: two of them overlap when their byte ranges
+[address, address + minimum size) do.
+"""
+from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.stdio cimport snprintf
+from libc.string cimport strncpy
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous,
+                             PyBUF_FULL_RO)
+
+from bnbw_native._vocabulary cimport (
+    Layout, MAX_DIMS, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE,
+    S_DSCALE, S_DBIAS, DO_FROZEN, DO_TRAINING, bnbw_data_type, BNBW_DATA_TYPE_FLOAT32,
+    BNBW_DATA_TYPE_FLOAT16, BNBW_DATA_TYPE_BFLOAT16, bnbw_tensor_desc,
+    BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD, BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD,
+    bnbw_batch_normalization_grad_desc, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
+    BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES,
+    BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT,
+    BNBW_ERROR_OPERATOR_TYPE, BNBW_ERROR_OUT_OF_MEMORY, BNBW_ERROR_ADDRESS)
+from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, MESSAGE_CAP, check_call,
+                                 layout_of, ranges_overlap, type_text, parse_epsilon,
+                                 raise_status)
+from bnbw_native._engine cimport engine_plan, engine_execute, engine_release
+
+import numbers
+
+import numpy as np
+
+from bnbw_native._engine import requested_threads
+
+
+# ---------------------------------------------------------------------------------------
+# Members, in the order of the DirectML descriptor
+# ---------------------------------------------------------------------------------------
+
+cdef enum:
+    N_MEMBERS = 8
+
+cdef int MEMBER_SLOTS[8]
+MEMBER_SLOTS[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_DX, S_DSCALE, S_DBIAS]
+MEMBERS = ("input", "input_gradient", "mean", "variance", "scale", "output_gradient",
+           "output_scale_gradient", "output_bias_gradient")
+
+# DirectML's convention for the validation layer: descriptors here, arrays in bnbw_native.dml.
+CONVENTION = Convention({role: MEMBERS[i] for i, role in enumerate(
+    ("x", "dy", "mean", "var", "scale", "dx", "dscale", "dbias"))}, family="directml",
+    dtype_rule="same", ranks=(1, MAX_DIMS), data_format=False)
+cdef const Rules *RULES = &(<Convention> CONVENTION).rules
+
+cdef int64_t LIMIT = 0x7FFFFFFFFFFFFFFF     # byte extents must fit int64 (engine offsets)
+
+
+cdef inline bint is_output(int slot) noexcept nogil:
+    return slot == S_DX or slot == S_DSCALE or slot == S_DBIAS
+
+
+cdef inline const char *member_name(int slot) noexcept nogil:
+    return RULES.names[slot]
+
+
+cdef inline const char *sep(const char *member) noexcept nogil:
+    return ": " if member[0] != 0 else ""
+
+
+# ---------------------------------------------------------------------------------------
+# Descriptor checks
+# ---------------------------------------------------------------------------------------
+
+cdef bnbw_status layout_check(int dtype, uint32_t ndim, const int64_t *sizes,
+                              const int64_t *strides, const char *m, Tensor *t, char *msg,
+                              size_t cap) noexcept nogil:
+    """data_type, dimension count, sizes, strides and the minimum size of one tensor."""
+    cdef const char *s = sep(m)
+    cdef int d
+    cdef int64_t elems = 1, span = 0, term
+    if dtype != BNBW_DATA_TYPE_FLOAT32 and dtype != BNBW_DATA_TYPE_FLOAT16 \
+            and dtype != BNBW_DATA_TYPE_BFLOAT16:
+        snprintf(msg, cap, "%s%sdata_type must be float32, float16 or bfloat16, got code %d",
+                 m, s, dtype)
+        return BNBW_ERROR_DATA_TYPE
+    if ndim < 1 or ndim > MAX_DIMS:
+        snprintf(msg, cap, "%s%ssizes must have 1 to 8 dimensions (dimension count), got %u",
+                 m, s, ndim)
+        return BNBW_ERROR_DIMENSION_COUNT
+    if sizes == NULL:
+        snprintf(msg, cap, "%s%ssizes is NULL", m, s)
+        return BNBW_ERROR_NULL_POINTER
+    t.dtype = dtype
+    t.ndim = <int> ndim
+    t.itemsize = 4 if dtype == BNBW_DATA_TYPE_FLOAT32 else 2
+    for d in range(t.ndim):
+        if sizes[d] < 1:
+            snprintf(msg, cap, "%s%ssizes[%d] must be a positive integer, got %lld",
+                     m, s, d, <long long> sizes[d])
+            return BNBW_ERROR_SIZES
+        t.sizes[d] = sizes[d]
+    if strides == NULL:
+        for d in range(t.ndim - 1, -1, -1):
+            t.strides[d] = elems
+            if elems > LIMIT // t.sizes[d]:
+                snprintf(msg, cap, "%s%ssizes describe more than 2^63 - 1 bytes "
+                         "(the byte count overflows 64 bits)", m, s)
+                return BNBW_ERROR_SIZES
+            elems *= t.sizes[d]
+    else:
+        for d in range(t.ndim):
+            if strides[d] < 0:
+                snprintf(msg, cap, "%s%sstrides[%d] must be non-negative (in elements), "
+                         "got %lld", m, s, d, <long long> strides[d])
+                return BNBW_ERROR_STRIDES
+            t.strides[d] = strides[d]
+        for d in range(t.ndim):
+            if t.sizes[d] == 1 or strides[d] == 0:
+                continue
+            if t.sizes[d] - 1 > LIMIT // strides[d]:
+                term = LIMIT
+            else:
+                term = (t.sizes[d] - 1) * strides[d]
+            if term > LIMIT - 1 - span:
+                snprintf(msg, cap, "%s%ssizes and strides reach beyond 2^63 - 1 bytes "
+                         "(the byte count overflows 64 bits)", m, s)
+                return BNBW_ERROR_STRIDES
+            span += term
+        elems = span + 1
+    if elems > LIMIT // t.itemsize:
+        snprintf(msg, cap, "%s%ssizes and strides reach beyond 2^63 - 1 bytes "
+                 "(the byte count overflows 64 bits)", m, s)
+        return BNBW_ERROR_SIZES if strides == NULL else BNBW_ERROR_STRIDES
+    t.minimum = elems * t.itemsize
+    return BNBW_OK
+
+
+cdef uint64_t default_total(int64_t minimum) noexcept nogil:
+    return ((<uint64_t> minimum) + 3) & ~(<uint64_t> 3)
+
+
+cdef bnbw_status tensor_check(const bnbw_tensor_desc *desc, const char *m, Tensor *t,
+                              char *msg, size_t cap) noexcept nogil:
+    cdef bnbw_status rc
+    if desc == NULL:
+        snprintf(msg, cap, "%s%sthe tensor descriptor pointer is NULL", m, sep(m))
+        return BNBW_ERROR_NULL_POINTER
+    rc = layout_check(<int> desc.data_type, desc.dimension_count, desc.sizes, desc.strides,
+                      m, t, msg, cap)
+    if rc != BNBW_OK:
+        return rc
+    t.total = desc.total_tensor_size_in_bytes
+    if t.total < <uint64_t> t.minimum:
+        snprintf(msg, cap, "%s%stotal_tensor_size_in_bytes is %llu, below the minimum size "
+                 "of %lld bytes", m, sep(m), <unsigned long long> t.total,
+                 <long long> t.minimum)
+        return BNBW_ERROR_TOTAL_SIZE
+    return BNBW_OK
+
+
+# ---------------------------------------------------------------------------------------
+# The operator
+# ---------------------------------------------------------------------------------------
+
+cdef bnbw_status operator_check(const bnbw_batch_normalization_grad_desc *desc,
+                                const Epsilon *eps, Tensor *t, Arg *a, char *msg,
+                                size_t cap) noexcept nogil:
+    """Every member's descriptor, once, then the operator's rules (the validation layer's,
+    under the DirectML convention); fills t[N_SLOTS] and a[N_ROLES]."""
+    cdef const bnbw_tensor_desc *descs[N_MEMBERS]
+    cdef bnbw_status rc
+    cdef int64_t channels
+    cdef int i, d, slot
+    if desc == NULL:
+        snprintf(msg, cap, "desc: the operator descriptor pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    descs[0] = desc.input
+    descs[1] = desc.input_gradient
+    descs[2] = desc.mean
+    descs[3] = desc.variance
+    descs[4] = desc.scale
+    descs[5] = desc.output_gradient
+    descs[6] = desc.output_scale_gradient
+    descs[7] = desc.output_bias_gradient
+    for i in range(N_ROLES):
+        a[i].present = False
+        a[i].data = NULL
+    for i in range(N_MEMBERS):
+        slot = MEMBER_SLOTS[i]
+        rc = tensor_check(descs[i], member_name(slot), &t[slot], msg, cap)
+        if rc != BNBW_OK:
+            return rc
+        a[slot].present = True
+        a[slot].dtype = t[slot].dtype - 1           # bnbw_data_type -> the engine's DType
+        strncpy(a[slot].type_name, type_text(a[slot].dtype), 39)
+        a[slot].ndim = t[slot].ndim
+        a[slot].writable = True
+        a[slot].aligned = True
+        for d in range(t[slot].ndim):
+            a[slot].shape[d] = t[slot].sizes[d]
+            a[slot].strides[d] = t[slot].strides[d] * t[slot].itemsize
+    return check_call(RULES, a, 0, 0, eps, -1, &channels, msg, cap)
+
+
+cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
+    cdef int d
+    if a.dtype != b.dtype or a.ndim != b.ndim:
+        return False
+    for d in range(a.ndim):
+        if a.sizes[d] != b.sizes[d] or (a.sizes[d] > 1 and a.strides[d] != b.strides[d]):
+            return False
+    return True
+
+
+cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *desc,
+                           const Epsilon *eps, OperatorImpl **out, char *msg,
+                           size_t cap) noexcept nogil:
+    """A new operator: every check, then the plan.  eps: the epsilon as the caller gave it
+    (C callers: desc.epsilon)."""
+    cdef OperatorImpl *op
+    cdef Arg a[N_ROLES]
+    cdef Layout layout
+    cdef bnbw_status rc
+    if out == NULL:
+        snprintf(msg, cap, "op: the pointer receiving the operator is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    out[0] = NULL
+    if type != BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD \
+            and type != BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD:
+        snprintf(msg, cap, "type must be BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD (1) or "
+                 "BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD (2), got %d", type)
+        return BNBW_ERROR_OPERATOR_TYPE
+    op = <OperatorImpl *> calloc(1, sizeof(OperatorImpl))
+    if op == NULL:
+        snprintf(msg, cap, "out of memory")
+        return BNBW_ERROR_OUT_OF_MEMORY
+    rc = operator_check(desc, eps, op.t, a, msg, cap)
+    if rc != BNBW_OK:
+        free(op)
+        return rc
+    op.eps = eps[0]
+    op.op = DO_TRAINING if type == BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD else DO_FROZEN
+    op.in_place_ok = same_layout(&op.t[S_DY], &op.t[S_DX])
+    layout_of(RULES, a, 0, &layout)
+    if engine_plan(&layout, &op.plan) != BNBW_OK:
+        free(op)
+        snprintf(msg, cap, "out of memory while planning")
+        return BNBW_ERROR_OUT_OF_MEMORY
+    out[0] = op
+    return BNBW_OK
+
+
+cdef void op_destroy(OperatorImpl *op) noexcept nogil:
+    if op != NULL:
+        engine_release(&op.plan)
+        free(op)
+
+
+cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,
+                            char *msg, size_t cap) noexcept nogil:
+    """ptr: the buffer addresses by slot.  num_threads 0: the package default (OpenMP's unless
+    bnbw_native.set_num_threads set one)."""
+    cdef int i, j, s, o
+    cdef uintptr_t a, b
+    if op == NULL:
+        snprintf(msg, cap, "op: the operator pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    for i in range(N_MEMBERS):
+        s = MEMBER_SLOTS[i]
+        a = <uintptr_t> ptr[s]
+        if a == 0:
+            snprintf(msg, cap, "%s: the buffer pointer is NULL", member_name(s))
+            return BNBW_ERROR_NULL_POINTER
+        if a % <uintptr_t> op.t[s].itemsize != 0:
+            snprintf(msg, cap, "%s: address %p is not aligned to the item size (%d bytes)",
+                     member_name(s), ptr[s], <int> op.t[s].itemsize)
+            return BNBW_ERROR_ALIGNMENT
+        if <uint64_t> op.t[s].minimum - 1 > <uint64_t> (<uintptr_t> -1 - a):
+            snprintf(msg, cap, "%s: a buffer of %lld bytes at address %p runs past the end of "
+                     "the address space", member_name(s), <long long> op.t[s].minimum, ptr[s])
+            return BNBW_ERROR_ADDRESS
+    if num_threads < 0:
+        snprintf(msg, cap, "num_threads must be >= 0 (0 = the default), got %d", num_threads)
+        return BNBW_ERROR_NUM_THREADS
+    for i in range(N_MEMBERS):
+        o = MEMBER_SLOTS[i]
+        if not is_output(o):
+            continue
+        for j in range(N_MEMBERS):
+            s = MEMBER_SLOTS[j]
+            if j == i or (is_output(s) and j < i):
+                continue          # each pair of outputs once
+            a = <uintptr_t> ptr[o]
+            b = <uintptr_t> ptr[s]
+            if not ranges_overlap(a, op.t[o].minimum, b, op.t[s].minimum):
+                continue
+            if o == S_DX and s == S_DY and a == b and op.in_place_ok:
+                continue          # in place: the very same layout at the very same address
+            if o == S_DX and s == S_DY:
+                snprintf(msg, cap, "output_gradient overlaps input_gradient (in place needs "
+                         "the same address and identical descriptors)")
+            elif is_output(s):
+                snprintf(msg, cap, "%s overlaps %s; outputs must not overlap each other",
+                         member_name(o), member_name(s))
+            else:
+                snprintf(msg, cap, "%s overlaps the input %s; output buffers must not "
+                         "overlap input buffers", member_name(o), member_name(s))
+            return BNBW_ERROR_OVERLAP
+    if engine_execute(&op.plan, <char **> ptr, op.op, <float> op.eps.value, -1, NULL,
+                      num_threads) != BNBW_OK:
+        snprintf(msg, cap, "out of memory for the reduction buffers")
+        return BNBW_ERROR_OUT_OF_MEMORY
+    return BNBW_OK
+
+
+# ---------------------------------------------------------------------------------------
+# The Python layer under bnbw_native.dml: marshal arguments, call the functions above
+# ---------------------------------------------------------------------------------------
+
+POINTER_MAX = <uintptr_t> -1
+DATA_TYPES = {"float32": BNBW_DATA_TYPE_FLOAT32, "float16": BNBW_DATA_TYPE_FLOAT16,
+              "bfloat16": BNBW_DATA_TYPE_BFLOAT16}
+OPERATOR_TYPES = {"grad": BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD,
+                  "training_grad": BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD}
+
+
+cdef int64_t _int64(value, str what) except? -1:
+    if not -LIMIT - 1 <= value <= LIMIT:
+        raise ValueError(f"{what} is {value}, beyond the 64-bit integer range")
+    return value
+
+
+cdef struct DescStore:
+    bnbw_tensor_desc desc
+    int64_t sizes[MAX_DIMS]
+    int64_t strides[MAX_DIMS]
+
+
+cdef int _marshal(DescStore *store, spec, str prefix) except -1:
+    """spec: (data type code, sizes tuple, strides tuple or None, total or None)."""
+    data_type, sizes, strides, total = spec
+    cdef int d
+    store.desc.data_type = <bnbw_data_type> <int> data_type
+    store.desc.dimension_count = len(sizes)
+    store.desc.sizes = store.sizes
+    store.desc.strides = store.strides if strides is not None else NULL
+    for d in range(min(len(sizes), MAX_DIMS)):
+        store.sizes[d] = _int64(sizes[d], f"{prefix}sizes[{d}]")
+        if strides is not None and d < len(strides):
+            store.strides[d] = _int64(strides[d], f"{prefix}strides[{d}]")
+    if total is None:
+        store.desc.total_tensor_size_in_bytes = 0
+    elif not 0 <= total < 2 ** 64:
+        raise ValueError(f"{prefix}total_tensor_size_in_bytes is {total}, outside 0 to 2^64 - 1")
+    else:
+        store.desc.total_tensor_size_in_bytes = total
+    return 0
+
+
+def tensor_sizes(spec):
+    """(minimum size, total size, strides in elements) of a descriptor spec, checked once; the
+    total defaults to the minimum rounded up to 4 bytes."""
+    cdef DescStore store
+    cdef Tensor t
+    cdef char msg[MESSAGE_CAP]
+    cdef bnbw_status rc
+    _marshal(&store, spec, "")
+    with nogil:
+        rc = layout_check(<int> store.desc.data_type, store.desc.dimension_count,
+                          store.desc.sizes, store.desc.strides, "", &t, msg, MESSAGE_CAP)
+    if rc != BNBW_OK:
+        raise_status(rc, msg)
+    total = default_total(t.minimum) if spec[3] is None else spec[3]
+    if total < t.minimum:
+        raise ValueError(f"total_tensor_size_in_bytes is {total}, below the minimum size of "
+                         f"{t.minimum} bytes")
+    return t.minimum, total, tuple(t.strides[d] for d in range(t.ndim))
+
+
+cdef str _pointer_object(Py_buffer *view):
+    """Why a buffer is not raw memory but a ctypes pointer object, or None: ctypes pointers
+    export their own 8 bytes (formats "<P", "&<f", "<z")."""
+    if view.format == NULL:
+        return None
+    fmt = view.format.decode("ascii", "replace").lstrip("@=<>!")
+    if fmt.startswith("&") or fmt in ("P", "z", "Z", "O"):
+        return fmt
+    return None
+
+
+cdef class Operator:
+    """A compiled operator: type "grad" or "training_grad", eight descriptor specs in member
+    order and the epsilon as given.  execute() binds buffers and runs it."""
+    cdef OperatorImpl *impl
+
+    def __cinit__(self, str type, specs, epsilon):
+        cdef DescStore store[N_MEMBERS]
+        cdef bnbw_batch_normalization_grad_desc desc
+        cdef Epsilon eps
+        cdef char msg[MESSAGE_CAP]
+        cdef bnbw_status rc
+        cdef int i, code = OPERATOR_TYPES[type]
+        self.impl = NULL
+        for i in range(N_MEMBERS):
+            _marshal(&store[i], specs[i], MEMBERS[i] + ": ")
+        desc.input = &store[0].desc
+        desc.input_gradient = &store[1].desc
+        desc.mean = &store[2].desc
+        desc.variance = &store[3].desc
+        desc.scale = &store[4].desc
+        desc.output_gradient = &store[5].desc
+        desc.output_scale_gradient = &store[6].desc
+        desc.output_bias_gradient = &store[7].desc
+        parse_epsilon(epsilon, &eps)
+        desc.epsilon = <float> eps.value
+        with nogil:
+            rc = op_create(code, &desc, &eps, &self.impl, msg, MESSAGE_CAP)
+        if rc != BNBW_OK:
+            raise_status(rc, msg)
+
+    def __dealloc__(self):
+        op_destroy(self.impl)
+        self.impl = NULL
+
+    @property
+    def kind(self):
+        """The engine's plan: "channel-last", "channel-major" or "empty"."""
+        if self.impl.plan.empty:
+            return "empty"
+        return "channel-last" if self.impl.plan.channel_last else "channel-major"
+
+    @property
+    def count(self):
+        """M: elements summed per statistics element."""
+        return self.impl.plan.count
+
+    @property
+    def channels(self):
+        return self.impl.plan.channels
+
+    @property
+    def epsilon(self):
+        """The f32 epsilon, as a float."""
+        return float(<float> self.impl.eps.value)
+
+    def execute(self, buffers, num_threads):
+        """buffers: N_MEMBERS objects in member order, each a buffer-protocol object, a NumPy
+        array (any dtype, raw memory) or a positive int address; num_threads as given."""
+        cdef Py_buffer views[N_MEMBERS]
+        cdef bint held[N_MEMBERS]
+        cdef const void *ptr[N_SLOTS]
+        cdef char msg[MESSAGE_CAP]
+        cdef bnbw_status rc = BNBW_OK
+        cdef int i, slot, threads = requested_threads(num_threads)
+        cdef bint output
+        cdef Py_ssize_t nbytes
+        keep = [None] * N_MEMBERS
+        for i in range(N_MEMBERS):
+            held[i] = False
+        for i in range(N_SLOTS):
+            ptr[i] = NULL
+        try:
+            for i in range(N_MEMBERS):
+                obj = buffers[i]
+                name = MEMBERS[i]
+                slot = MEMBER_SLOTS[i]
+                output = is_output(slot)
+                nbytes = -1
+                if isinstance(obj, (bool, np.bool_)):
+                    raise TypeError(f"{name} must be a buffer or an int address, got bool")
+                if isinstance(obj, numbers.Integral):
+                    address = int(obj)
+                    if not 0 < address <= POINTER_MAX:
+                        raise ValueError(f"{name}: an integer address must be positive and "
+                                         f"fit a pointer, got {address}")
+                    ptr[slot] = <const void *> <uintptr_t> address
+                elif isinstance(obj, np.ndarray):
+                    if obj.dtype.hasobject:
+                        raise TypeError(f"{name}: an array of Python objects is not raw "
+                                        "memory")
+                    if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
+                        raise ValueError(f"{name}: the array is not contiguous; a buffer must "
+                                         "be contiguous raw memory")
+                    if output and not obj.flags.writeable:
+                        raise ValueError(f"{name}: the array is read-only; output buffers must "
+                                         "be writable")
+                    keep[i] = obj
+                    ptr[slot] = <const void *> <uintptr_t> obj.__array_interface__["data"][0]
+                    nbytes = obj.nbytes
+                else:
+                    try:
+                        PyObject_GetBuffer(obj, &views[i], PyBUF_FULL_RO)
+                    except (TypeError, BufferError, ValueError) as exc:
+                        raise TypeError(f"{name} must be a buffer (bytes-like object, NumPy "
+                                        f"array) or an int address, got "
+                                        f"{type(obj).__name__}") from None
+                    held[i] = True
+                    pointer = _pointer_object(&views[i])
+                    if pointer is not None:
+                        raise TypeError(f"{name}: {type(obj).__name__} is a pointer object "
+                                        f"(buffer format {pointer!r}): its buffer is the "
+                                        "pointer's own bytes, not the memory it points to; "
+                                        "pass the address as an int instead (ptr.value, or "
+                                        "ctypes.cast(ptr, ctypes.c_void_p).value)")
+                    if not PyBuffer_IsContiguous(&views[i], b'A'):
+                        raise ValueError(f"{name}: the buffer is not contiguous; a buffer must "
+                                         "be contiguous raw memory")
+                    if output and views[i].readonly:
+                        raise ValueError(f"{name}: the buffer is read-only; output buffers "
+                                         "must be writable")
+                    ptr[slot] = views[i].buf
+                    nbytes = views[i].len
+                if nbytes >= 0 and nbytes < self.impl.t[slot].minimum:
+                    raise ValueError(f"{name}: the buffer holds {nbytes} bytes, the descriptor "
+                                     f"needs at least {self.impl.t[slot].minimum} (its minimum "
+                                     "size)")
+            with nogil:
+                rc = op_execute(self.impl, ptr, threads, msg, MESSAGE_CAP)
+        finally:
+            for i in range(N_MEMBERS):
+                if held[i]:
+                    PyBuffer_Release(&views[i])
+        if rc != BNBW_OK:
+            raise_status(rc, msg)

@@ -1,0 +1,717 @@
+# cython: language_level=3
+"""The rules of every public convention, checked without the GIL: one validation layer.
+
+Design
+------
+A front-end names its arguments and rules once, as a `Convention` (oneDNN Graph, the Intel spec,
+nGraph, the two phases, DirectML).  Its arguments arrive here as `Arg`s - an address, a dtype
+code, shape, byte strides, flags; marshalled by bnbw_native._arrays for array calls and by
+bnbw_native._directml for descriptors - and `check_call` holds every rule: storage types and the
+convention's dtype rule, ranks, shapes, the statistics' form, epsilon, the two-phase sums,
+outputs (dtype, shape, writable, aligned, no self-overlap) and overlaps between arguments.  A
+refusal is a bnbw_status and a message naming the argument as the convention calls it; nothing
+has been written then.  `raise_status` is the one map from a status to a Python exception.
+
+`layout_of` turns checked arguments into the engine's Layout, once per call.  Nothing here
+touches a Python object but the Convention constructor and `raise_status`.
+"""
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdio cimport snprintf
+from libc.string cimport memset, strcmp, strncpy
+from libc.math cimport isfinite, INFINITY
+
+import numbers
+
+import numpy as np
+
+from bnbw_native._vocabulary cimport (
+    Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR,
+    S_SCALE, S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL,
+    DT_F64, OP_GIVEN_SUMS, itemsize, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
+    BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_OVERLAP,
+    BNBW_ERROR_EPSILON, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY)
+
+cdef enum:
+    OVERLAP_BUDGET = 1000000     # search nodes before an overlap is refused as undecided
+
+
+# ---------------------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------------------
+
+cdef const char *type_text(int dtype) noexcept nogil:
+    if dtype == DT_F32:
+        return "float32"
+    if dtype == DT_F16:
+        return "float16"
+    if dtype == DT_BF16:
+        return "bfloat16"
+    if dtype == DT_BOOL:
+        return "bool"
+    if dtype == DT_F64:
+        return "float64"
+    return "unknown"
+
+
+cdef void _shape_text(char *buf, size_t cap, int ndim, const int64_t *shape) noexcept nogil:
+    """A shape as Python prints a tuple: (), (3,), (2, 3)."""
+    cdef size_t used = 0
+    cdef int d
+    buf[0] = 0
+    used += snprintf(buf, cap, "(")
+    for d in range(ndim):
+        if used >= cap:
+            return
+        used += snprintf(buf + used, cap - used, "%lld%s", <long long> shape[d],
+                         "," if ndim == 1 else (", " if d + 1 < ndim else ""))
+    if used < cap:
+        snprintf(buf + used, cap - used, ")")
+
+
+# ---------------------------------------------------------------------------------------
+# Overlap: exact, within a search budget
+# ---------------------------------------------------------------------------------------
+
+cdef inline int64_t _floor_div(int64_t a, int64_t b) noexcept nogil:
+    cdef int64_t q = a // b     # cdivision: truncates toward zero
+    if a % b != 0 and (a < 0) != (b < 0):
+        q -= 1
+    return q
+
+
+cdef int _solve(int m, const int64_t *n, const int64_t *c, const int64_t *reach, int i,
+                int64_t lo, int64_t hi, int64_t *budget) noexcept nogil:
+    """1 when integers 0 <= k_j < n_j (j >= i) make lo <= sum k_j c_j <= hi, 0 when none do,
+    -1 when the budget ran out.  c sorted descending and positive; reach[j] is the largest
+    sum dims j.. can make."""
+    cdef int64_t k, k_lo, k_hi
+    cdef int r
+    if hi < 0 or lo > reach[i]:
+        return 0
+    if i == m:
+        return 1
+    budget[0] -= 1
+    if budget[0] < 0:
+        return -1
+    k_lo = -_floor_div(reach[i + 1] - lo, c[i])      # ceil((lo - reach) / c)
+    k_hi = _floor_div(hi, c[i])
+    if k_lo < 0:
+        k_lo = 0
+    if k_hi > n[i] - 1:
+        k_hi = n[i] - 1
+    k = k_lo
+    while k <= k_hi:
+        r = _solve(m, n, c, reach, i + 1, lo - k * c[i], hi - k * c[i], budget)
+        if r != 0:
+            return r
+        k += 1
+    return 0
+
+
+cdef bint ranges_overlap(uintptr_t a, uint64_t a_bytes, uintptr_t b,
+                         uint64_t b_bytes) noexcept nogil:
+    """Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte, by differences only: no
+    end address is formed, so nothing wraps near the top of memory."""
+    if a_bytes == 0 or b_bytes == 0:
+        return False
+    if a <= b:
+        return b - a < a_bytes
+    return a - b < b_bytes
+
+
+cdef void _bounds(const Arg *a, uintptr_t *lo, uint64_t *nbytes) noexcept nogil:
+    """The byte range [lo, lo + nbytes) the elements of `a` occupy (nbytes 0: none)."""
+    cdef int64_t extent, low = 0, high = 0
+    cdef int d
+    lo[0] = <uintptr_t> a.data
+    nbytes[0] = 0
+    for d in range(a.ndim):
+        if a.shape[d] == 0:
+            return
+    for d in range(a.ndim):
+        extent = (a.shape[d] - 1) * a.strides[d]
+        if extent < 0:
+            low += extent
+        else:
+            high += extent
+    lo[0] = lo[0] + <uintptr_t> low          # wraps back below data: low <= 0
+    nbytes[0] = <uint64_t> (high - low) + (itemsize(a.dtype) if a.dtype != DT_OTHER else 1)
+
+
+cdef int _may_share(const Arg *a, const Arg *b) noexcept nogil:
+    """0 when no element of a shares a byte with an element of b, 1 when one does, -1 when
+    the search could not decide."""
+    cdef uintptr_t alo, blo
+    cdef uint64_t abytes, bbytes
+    cdef int64_t v, size, tmp
+    cdef int64_t n[2 * ARG_DIMS]
+    cdef int64_t c[2 * ARG_DIMS]
+    cdef int64_t reach[2 * ARG_DIMS + 1]
+    cdef int64_t const = 0, budget = OVERLAP_BUDGET
+    cdef int m = 0, d, i, j
+    _bounds(a, &alo, &abytes)
+    _bounds(b, &blo, &bbytes)
+    if not ranges_overlap(alo, abytes, blo, bbytes):
+        return 0
+    # address(a) - address(b) = const + sum of positive coefficients times 0..n-1 indices;
+    # the elements' bytes meet when that lies in (-size of a, size of b)
+    const = <int64_t> <uintptr_t> a.data - <int64_t> <uintptr_t> b.data
+    for i in range(2):
+        for d in range((a if i == 0 else b).ndim):
+            size = (a if i == 0 else b).shape[d]
+            v = (a if i == 0 else b).strides[d] * (1 if i == 0 else -1)
+            if size <= 1 or v == 0:
+                continue
+            if v < 0:
+                const += v * (size - 1)
+                v = -v
+            n[m] = size
+            c[m] = v
+            m += 1
+    for i in range(1, m):                  # insertion sort, descending coefficients
+        j = i
+        while j > 0 and c[j - 1] < c[j]:
+            tmp = c[j - 1]; c[j - 1] = c[j]; c[j] = tmp
+            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
+            j -= 1
+    reach[m] = 0
+    for i in range(m - 1, -1, -1):
+        reach[i] = reach[i + 1] + (n[i] - 1) * c[i]
+    return _solve(m, n, c, reach, 0, -(itemsize(a.dtype) - 1) - const,
+                  itemsize(b.dtype) - 1 - const, &budget)
+
+
+cdef int _collide(const int64_t *n, const int64_t *s, const int64_t *reach, int i, int m,
+                  int64_t target, bint nonzero, int64_t *budget) noexcept nogil:
+    """Is there k_i..k_{m-1}, |k_j| < n_j, with sum k_j * s_j == target (and k nonzero
+    overall)?  1 yes, 0 no, -1 budget exhausted.  s sorted descending."""
+    cdef int64_t lo, hi, k
+    cdef int r
+    if i == m:
+        return 1 if (target == 0 and nonzero) else 0
+    budget[0] -= 1
+    if budget[0] < 0:
+        return -1
+    lo = -_floor_div(reach[i + 1] - target, s[i])
+    hi = _floor_div(target + reach[i + 1], s[i])
+    if lo < 1 - n[i]:
+        lo = 1 - n[i]
+    if hi > n[i] - 1:
+        hi = n[i] - 1
+    k = lo
+    while k <= hi:
+        r = _collide(n, s, reach, i + 1, m, target - k * s[i], nonzero or k != 0, budget)
+        if r != 0:
+            return r
+        k += 1
+    return 0
+
+
+cdef int _self_overlap(const Arg *a, int *zero_dim) noexcept nogil:
+    """0 when no two elements of `a` share memory, 1 when two do, -1 when undecided.  Strides
+    are whole elements (outputs are aligned)."""
+    cdef int64_t n[ARG_DIMS]
+    cdef int64_t s[ARG_DIMS]
+    cdef int64_t reach[ARG_DIMS + 1]
+    cdef int64_t extent = 0, tmp, budget = OVERLAP_BUDGET, isz = itemsize(a.dtype)
+    cdef int m = 0, d, i, j
+    zero_dim[0] = -1
+    for d in range(a.ndim):
+        if a.shape[d] == 0:
+            return 0
+    for d in range(a.ndim):
+        if a.shape[d] > 1:
+            if a.strides[d] == 0:
+                zero_dim[0] = d
+                return 1
+            n[m] = a.shape[d]
+            s[m] = a.strides[d] // isz if a.strides[d] > 0 else -a.strides[d] // isz
+            m += 1
+    for i in range(1, m):                  # insertion sort, descending strides
+        j = i
+        while j > 0 and s[j - 1] < s[j]:
+            tmp = s[j - 1]; s[j - 1] = s[j]; s[j] = tmp
+            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
+            j -= 1
+    # sufficient: each stride beyond everything the smaller strides reach
+    i = m - 1
+    while i >= 0 and s[i] > extent:
+        extent += (n[i] - 1) * s[i]
+        i -= 1
+    if i < 0:
+        return 0
+    reach[m] = 0
+    for i in range(m - 1, -1, -1):
+        reach[i] = reach[i + 1] + (n[i] - 1) * s[i]
+    return _collide(n, s, reach, 0, m, 0, False, &budget)
+
+
+cdef bint _same_view(const Arg *a, const Arg *b) noexcept nogil:
+    cdef int d
+    if a.data != b.data or a.dtype != b.dtype or a.ndim != b.ndim:
+        return False
+    for d in range(a.ndim):
+        if a.shape[d] != b.shape[d] or a.strides[d] != b.strides[d]:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------
+
+
+cdef bnbw_status _kind(const Rules *r, const Arg *a, int role, char *msg,
+                       size_t cap) noexcept nogil:
+    """A storage type the engine computes from."""
+    cdef const char *hint = ""
+    if a.dtype == DT_F32 or a.dtype == DT_F16 or a.dtype == DT_BF16:
+        return BNBW_OK
+    if a.dtype == DT_OTHER and strcmp(a.type_name, "uint16") == 0:
+        hint = ("; bfloat16 bit patterns in uint16 arrays go through bnbw_native.dml "
+                "descriptors or bnbw_native.half")
+    elif a.dtype == DT_F64:
+        hint = "; the engine takes 16- and 32-bit storage: convert it, e.g. .astype(np.float32)"
+    snprintf(msg, cap, "%s must be a float32, float16 or bfloat16 (ml_dtypes) array, got %s%s",
+             r.names[role], a.type_name, hint)
+    return BNBW_ERROR_DATA_TYPE
+
+
+cdef bnbw_status _same_shape(const Rules *r, const Arg *a, int role, const Arg *ref,
+                             int ref_role, char *msg, size_t cap) noexcept nogil:
+    cdef char want[256]
+    cdef char got[256]
+    cdef int d
+    cdef bint same = a.ndim == ref.ndim
+    for d in range(a.ndim if same else 0):
+        same = same and a.shape[d] == ref.shape[d]
+    if same:
+        return BNBW_OK
+    _shape_text(want, 256, ref.ndim, ref.shape)
+    _shape_text(got, 256, a.ndim, a.shape)
+    snprintf(msg, cap, "%s must have the shape of %s %s, got %s", r.names[role],
+             r.names[ref_role], want, got)
+    return BNBW_ERROR_SIZES
+
+
+cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *msg,
+                                size_t cap) noexcept nogil:
+    # beyond FLT_MAX by half an ulp or more rounds to infinity; below 2^-150 to zero
+    cdef double v = eps.value
+    if isfinite(v) and v > 0 and v < 3.4028235677973366e38 and <float> v > 0:
+        return BNBW_OK
+    snprintf(msg, cap, "%s must be finite and > 0 after conversion to float32, got %s",
+             r.names[NAME_EPSILON], eps.text)
+    return BNBW_ERROR_EPSILON
+
+
+cdef bnbw_status _check_output(const Rules *r, const Arg *a, int role, int want_dtype,
+                               int want_ndim, const int64_t *want_shape, char *msg,
+                               size_t cap) noexcept nogil:
+    """A given output: dtype, shape, writable, aligned, no element shares memory with
+    another."""
+    cdef char want[256]
+    cdef char got[256]
+    cdef char strides[512]
+    cdef int d, zero_dim, rc
+    cdef const char *label = r.labels[role]
+    if a.dtype != want_dtype:
+        snprintf(msg, cap, "%s must have dtype %s, got %s", label, type_text(want_dtype),
+                 a.type_name)
+        return BNBW_ERROR_DATA_TYPE
+    if r.family == FAMILY_ARRAYS:
+        rc = a.ndim == want_ndim
+        for d in range(a.ndim if rc else 0):
+            rc = rc and a.shape[d] == want_shape[d]
+        if not rc:
+            _shape_text(want, 256, want_ndim, want_shape)
+            _shape_text(got, 256, a.ndim, a.shape)
+            snprintf(msg, cap, "%s must have shape %s, got %s", label, want, got)
+            return BNBW_ERROR_SIZES
+        if not a.writable:
+            snprintf(msg, cap, "%s is read-only; outputs must be writable", label)
+            return BNBW_ERROR_SIZES
+        if not a.aligned:
+            snprintf(msg, cap, "%s must be aligned to its item size", label)
+            return BNBW_ERROR_ALIGNMENT
+    rc = _self_overlap(a, &zero_dim)
+    if rc == 0:
+        return BNBW_OK
+    if r.family == FAMILY_DIRECTML:
+        if zero_dim >= 0:
+            snprintf(msg, cap, "%s: strides[%d] is 0 on a dim of size %lld, so its elements "
+                     "share memory; an output must not overlap itself", label, zero_dim,
+                     <long long> a.shape[zero_dim])
+        elif rc > 0:
+            snprintf(msg, cap, "%s: the strides make two distinct elements share memory; an "
+                     "output must not overlap itself", label)
+        else:
+            snprintf(msg, cap, "%s: cannot prove that the strides keep every element apart "
+                     "(search budget exhausted); use strides where each exceeds the extent of "
+                     "the smaller ones", label)
+        return BNBW_ERROR_OVERLAP
+    _shape_text(strides, 512, a.ndim, a.strides)
+    if rc > 0:
+        snprintf(msg, cap, "%s has elements that share memory (zero or overlapping strides "
+                 "%s); an output must not overlap itself", label, strides)
+    else:
+        snprintf(msg, cap, "%s: cannot prove that its strides %s keep every element apart; "
+                 "an output must not overlap itself", label, strides)
+    return BNBW_ERROR_OVERLAP
+
+
+cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, char *msg,
+                                 size_t cap) noexcept nogil:
+    """Outputs apart from each other and from every input, except that dx and the residual
+    gradient may each be the very same view as dy (in place)."""
+    cdef int outputs[4]
+    cdef int inputs[7]
+    cdef int i, j, o, k, rc
+    outputs[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES]
+    inputs[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_MASK]
+    for i in range(4):
+        o = outputs[i]
+        if not a[o].present or a[o].data == NULL:
+            continue
+        for j in range(i + 1, 4):
+            k = outputs[j]
+            if a[k].present and a[k].data != NULL and _may_share(&a[o], &a[k]) != 0:
+                snprintf(msg, cap, "%s overlaps %s; outputs must not overlap", r.labels[o],
+                         r.labels[k])
+                return BNBW_ERROR_OVERLAP
+        for j in range(7):
+            k = inputs[j]
+            if not a[k].present or a[k].data == NULL:
+                continue
+            if k == S_DY and (o == S_DX or o == S_DRES) and _same_view(&a[o], &a[k]):
+                continue
+            rc = _may_share(&a[o], &a[k])
+            if rc != 0:
+                if o == S_DX or o == S_DRES:
+                    snprintf(msg, cap, "%s overlaps the input %s (only the very same array "
+                             "as %s is allowed)", r.labels[o], r.names[k], r.names[S_DY])
+                else:
+                    snprintf(msg, cap, "%s overlaps the input %s", r.labels[o], r.names[k])
+                return BNBW_ERROR_OVERLAP
+    return BNBW_OK
+
+
+cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
+                               int64_t count, int64_t *channels, char *msg,
+                               size_t cap) noexcept nogil:
+    """oneDNN Graph, the Intel spec, nGraph, the two phases: x and dy of rank
+    min_rank..max_rank, the statistics 1-D of length C along `axis`."""
+    cdef const Arg *x = &a[S_X]
+    cdef const Arg *dy = &a[S_DY]
+    cdef char text[256]
+    cdef const char *hint
+    cdef int roles[4]
+    cdef int i, role, t2 = -1, t2_role = S_MEAN
+    cdef int64_t C, local = 1
+    cdef bnbw_status rc
+    rc = _kind(r, x, S_X, msg, cap)
+    if rc != BNBW_OK:
+        return rc
+    if x.ndim < r.min_rank or x.ndim > r.max_rank:
+        snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
+                 r.min_rank, r.max_rank, x.ndim)
+        return BNBW_ERROR_DIMENSION_COUNT
+    rc = _kind(r, dy, S_DY, msg, cap)
+    if rc != BNBW_OK:
+        return rc
+    if dy.dtype != x.dtype:
+        snprintf(msg, cap, "%s must have the dtype of %s (%s), got %s", r.names[S_DY],
+                 r.names[S_X], x.type_name, dy.type_name)
+        return BNBW_ERROR_DATA_TYPE
+    rc = _same_shape(r, dy, S_DY, x, S_X, msg, cap)
+    if rc != BNBW_OK:
+        return rc
+    C = x.shape[axis]
+    channels[0] = C
+    roles[:] = [S_MEAN, S_VAR, S_SCALE, S_BETA]
+    for i in range(4):
+        role = roles[i]
+        if not a[role].present:
+            continue
+        rc = _kind(r, &a[role], role, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+        if t2 < 0:
+            t2 = a[role].dtype
+            t2_role = role
+            if r.dtype_rule == RULE_GRAPH and not (
+                    t2 == DT_F32 or (t2 == DT_BF16 and x.dtype == DT_BF16)):
+                snprintf(msg, cap, "%s has dtype %s with %s of dtype %s; allowed (%s/%s, "
+                         "%s/%s/%s): (float32, float32), (bfloat16, float32), (bfloat16, "
+                         "bfloat16), (float16, float32)", r.names[role], a[role].type_name,
+                         r.names[S_X], x.type_name, r.names[S_X], r.names[S_DY],
+                         r.names[S_MEAN], r.names[S_VAR], r.names[S_SCALE])
+                return BNBW_ERROR_DATA_TYPE
+            if r.dtype_rule == RULE_SAME and t2 != x.dtype:
+                snprintf(msg, cap, "%s must have the element type of %s (%s), got %s",
+                         r.names[role], r.names[S_X], x.type_name, a[role].type_name)
+                return BNBW_ERROR_DATA_TYPE
+        elif a[role].dtype != t2:
+            snprintf(msg, cap, "%s must have the dtype of %s (%s), got %s", r.names[role],
+                     r.names[t2_role], type_text(t2), a[role].type_name)
+            return BNBW_ERROR_DATA_TYPE
+        if a[role].ndim != 1 or a[role].shape[0] != C:
+            _shape_text(text, 256, a[role].ndim, a[role].shape)
+            hint = ""
+            if a[role].ndim == 1 and r.names[NAME_DATA_FORMAT][0] and x.ndim > 2:
+                if axis == x.ndim - 1 and a[role].shape[0] == x.shape[1]:
+                    hint = ("; did you mean data_format='NCX'? (with data_format='NXC' the "
+                            "channels are the last axis)")
+                elif axis == 1 and a[role].shape[0] == x.shape[x.ndim - 1]:
+                    hint = ("; did you mean data_format='NXC'? (with data_format='NCX' the "
+                            "channels are axis 1)")
+            snprintf(msg, cap, "%s must be 1-D of length C = %lld (the channel count), got "
+                     "shape %s%s", r.names[role], <long long> C, text, hint)
+            return BNBW_ERROR_SIZES
+    if a[S_MASK].present:
+        if a[S_MASK].dtype != x.dtype and a[S_MASK].dtype != DT_BOOL:
+            snprintf(msg, cap, "%s must have the dtype of %s (%s) or bool, got %s",
+                     r.names[S_MASK], r.names[S_X], x.type_name, a[S_MASK].type_name)
+            return BNBW_ERROR_DATA_TYPE
+        rc = _same_shape(r, &a[S_MASK], S_MASK, x, S_X, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+    elif a[S_DRES].present:
+        snprintf(msg, cap, "%s needs %s: it receives the gradient that passes the ReLU of the "
+                 "forward", r.labels[S_DRES], r.names[S_MASK])
+        return BNBW_ERROR_NULL_POINTER
+    if eps != NULL:
+        rc = check_epsilon_value(r, eps, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+    if op & OP_GIVEN_SUMS:
+        if a[S_PARTIAL].dtype != DT_F64:
+            snprintf(msg, cap, "%s must be a float64 array of shape (2, C) from "
+                     "backward_reduce", r.names[S_PARTIAL])
+            return BNBW_ERROR_DATA_TYPE
+        if a[S_PARTIAL].ndim != 2 or a[S_PARTIAL].shape[0] != 2 or a[S_PARTIAL].shape[1] != C:
+            _shape_text(text, 256, a[S_PARTIAL].ndim, a[S_PARTIAL].shape)
+            snprintf(msg, cap, "%s must have shape (2, %lld), got %s", r.names[S_PARTIAL],
+                     <long long> C, text)
+            return BNBW_ERROR_SIZES
+        for i in range(x.ndim):
+            if i != axis:
+                local *= x.shape[i]
+        if count < local:
+            snprintf(msg, cap, "count must be at least the local element count per channel "
+                     "(%lld), got %lld", <long long> local, <long long> count)
+            return BNBW_ERROR_SIZES
+    # outputs, in the order of `out`
+    if a[S_DX].present:
+        rc = _check_output(r, &a[S_DX], S_DX, x.dtype, x.ndim, x.shape, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+    roles[0] = S_DSCALE
+    roles[1] = S_DBIAS
+    for i in range(2):
+        if a[roles[i]].present:
+            rc = _check_output(r, &a[roles[i]], roles[i], t2, 1, &C, msg, cap)
+            if rc != BNBW_OK:
+                return rc
+    if a[S_DRES].present:
+        rc = _check_output(r, &a[S_DRES], S_DRES, x.dtype, x.ndim, x.shape, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+    return _check_overlaps(r, a, msg, cap)
+
+
+cdef bnbw_status _check_directml(const Rules *r, Arg *a, const Epsilon *eps, int64_t *channels,
+                                 char *msg, size_t cap) noexcept nogil:
+    """DirectML: eight tensors of one data type and dimension count; reduced dims are those
+    where mean's size is 1, every other dim equals the input's."""
+    cdef int members[8]
+    cdef int i, d, m
+    cdef const Arg *x = &a[S_X]
+    cdef bnbw_status rc
+    members[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_DX, S_DSCALE, S_DBIAS]
+    for i in range(8):
+        if a[members[i]].present:
+            rc = _kind(r, &a[members[i]], members[i], msg, cap)
+            if rc != BNBW_OK:
+                return rc
+    if x.ndim < r.min_rank or x.ndim > r.max_rank:
+        snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
+                 r.min_rank, r.max_rank, x.ndim)
+        return BNBW_ERROR_DIMENSION_COUNT
+    for i in range(1, 8):
+        m = members[i]
+        if a[m].present and a[m].dtype != x.dtype:
+            snprintf(msg, cap, "%s: data_type %s differs from input's %s; all tensors share "
+                     "one data type", r.labels[m], a[m].type_name, x.type_name)
+            return BNBW_ERROR_DATA_TYPE
+    for i in range(1, 8):
+        m = members[i]
+        if a[m].present and a[m].ndim != x.ndim:
+            snprintf(msg, cap, "%s: sizes have %d dimensions, input's %d; all tensors share "
+                     "one dimension count", r.labels[m], a[m].ndim, x.ndim)
+            return BNBW_ERROR_DIMENSION_COUNT
+    for i in range(1, 8):
+        m = members[i]
+        if not a[m].present or (m != S_DY and m != S_DX):
+            continue
+        for d in range(x.ndim):
+            if a[m].shape[d] != x.shape[d]:
+                snprintf(msg, cap, "%s: sizes[%d] is %lld, input's is %lld; input, "
+                         "input_gradient and output_gradient share sizes", r.labels[m], d,
+                         <long long> a[m].shape[d], <long long> x.shape[d])
+                return BNBW_ERROR_SIZES
+    for d in range(x.ndim):
+        if a[S_MEAN].shape[d] != 1 and a[S_MEAN].shape[d] != x.shape[d]:
+            snprintf(msg, cap, "%s: sizes[%d] must be 1 (a summed dim) or input's %lld, got "
+                     "%lld", r.names[S_MEAN], d, <long long> x.shape[d],
+                     <long long> a[S_MEAN].shape[d])
+            return BNBW_ERROR_SIZES
+    for i in range(3, 8):
+        m = members[i]
+        if not a[m].present or m == S_DX:
+            continue
+        for d in range(x.ndim):
+            if a[m].shape[d] != a[S_MEAN].shape[d]:
+                snprintf(msg, cap, "%s: sizes[%d] is %lld, mean's is %lld; mean, variance, "
+                         "scale, output_scale_gradient and output_bias_gradient share sizes",
+                         r.labels[m], d, <long long> a[m].shape[d],
+                         <long long> a[S_MEAN].shape[d])
+                return BNBW_ERROR_SIZES
+    channels[0] = 1
+    for d in range(x.ndim):
+        channels[0] *= a[S_MEAN].shape[d]
+    if eps != NULL:
+        rc = check_epsilon_value(r, eps, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+    for i in range(5, 8):
+        m = members[i]
+        if a[m].present:
+            rc = _check_output(r, &a[m], m, x.dtype, a[m].ndim, a[m].shape, msg, cap)
+            if rc != BNBW_OK:
+                return rc
+    return BNBW_OK
+
+
+cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
+                            int64_t count, int64_t *channels, char *msg,
+                            size_t cap) noexcept nogil:
+    """Every rule of the convention `r` on the arguments a[N_ROLES]; `axis` is x's channel axis
+    (0..ndim-1; array conventions).  Outputs without an address yet (descriptors, or arrays the
+    layer allocates) are checked for their layout only.  BNBW_OK with C in *channels, or the
+    refusal with its message in msg."""
+    if r.family == FAMILY_DIRECTML:
+        return _check_directml(r, a, eps, channels, msg, cap)
+    return _check_arrays(r, a, op, axis, eps, count, channels, msg, cap)
+
+
+cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept nogil:
+    """The engine's view of checked arguments: sizes, the reduced dims, byte strides per slot
+    (0 on dims of size 1), which big slots are present, the storage types and C."""
+    cdef int d, t
+    memset(l, 0, sizeof(Layout))
+    l.ndim = a[S_X].ndim
+    l.big_dtype = a[S_X].dtype
+    l.mask_dtype = a[S_MASK].dtype if a[S_MASK].present else a[S_X].dtype
+    l.stat_dtype = a[S_MEAN].dtype
+    l.channels = 1
+    for t in range(N_BIG):
+        l.present[t] = a[t].present
+    for d in range(l.ndim):
+        l.sizes[d] = a[S_X].shape[d]
+        if r.family == FAMILY_DIRECTML:
+            l.reduced[d] = a[S_MEAN].shape[d] == 1
+        else:
+            l.reduced[d] = d != axis
+        if not l.reduced[d]:
+            l.channels *= l.sizes[d]
+        for t in range(N_SLOTS):
+            if not a[t].present:
+                continue
+            if t < N_BIG or r.family == FAMILY_DIRECTML:
+                if a[t].shape[d] > 1:
+                    l.strides[t][d] = a[t].strides[d]
+            elif d == axis:
+                l.strides[t][d] = a[t].strides[0]
+
+
+cdef int parse_epsilon(object value, Epsilon *e) except -1:
+    """epsilon as a Python caller gave it: a real number (TypeError otherwise), kept as a
+    double with its text for messages; the value rules are check_epsilon_value's."""
+    if type(value) is not float:
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value[()]
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError(f"epsilon must be a real number, got {type(value).__name__}")
+    try:
+        e.value = float(value)
+    except (OverflowError, ValueError):    # beyond the float range
+        e.value = INFINITY
+    copy_name(e.text, repr(value), 48)
+    return 0
+
+
+cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil:
+    e.value = value
+    snprintf(e.text, 48, "%g", <double> value)
+
+
+# ---------------------------------------------------------------------------------------
+# Conventions
+# ---------------------------------------------------------------------------------------
+
+ROLES = {"x": S_X, "dy": S_DY, "dx": S_DX, "relu_dst": S_MASK, "diff_residual": S_DRES,
+         "mean": S_MEAN, "var": S_VAR, "scale": S_SCALE, "dscale": S_DSCALE, "dbias": S_DBIAS,
+         "beta": S_BETA, "partial": S_PARTIAL}
+
+
+cdef class Convention:
+    """A public convention for the validation layer: the name of each argument role and the
+    rules.  names: role -> name (roles as in ROLES); family "arrays" (1-D statistics of length
+    C, outputs named "out[i] (name)") or "directml"; dtype_rule "graph" or "same"; ranks of x;
+    data_format: whether the convention takes a data_format (its messages can then hint);
+    scale_required: None is no scale of 1 here."""
+
+    def __init__(self, names, *, family="arrays", dtype_rule="graph", ranks=(2, 8),
+                 data_format=True, scale_required=False):
+        cdef int role
+        memset(&self.rules, 0, sizeof(Rules))
+        self.rules.family = FAMILY_DIRECTML if family == "directml" else FAMILY_ARRAYS
+        self.rules.dtype_rule = RULE_SAME if dtype_rule == "same" else RULE_GRAPH
+        self.rules.min_rank, self.rules.max_rank = ranks
+        out_index = {"dx": 0, "dscale": 1, "dbias": 2}
+        for key, name in names.items():
+            role = ROLES[key]
+            copy_name(self.rules.names[role], name, NAME_CAP)
+            if self.rules.family == FAMILY_ARRAYS and key in out_index:
+                label = f"out[{out_index[key]}] ({name})"
+            else:
+                label = name
+            copy_name(self.rules.labels[role], label, NAME_CAP + 16)
+        copy_name(self.rules.names[NAME_EPSILON], "epsilon", NAME_CAP)
+        copy_name(self.rules.names[NAME_DATA_FORMAT], "data_format" if data_format else "",
+                   NAME_CAP)
+        self.rules.scale_required = scale_required
+        if "partial" not in names:
+            copy_name(self.rules.names[S_PARTIAL], "partial", NAME_CAP)
+
+    def name(self, role):
+        return self.rules.names[ROLES[role]].decode()
+
+
+cdef void copy_name(char *dst, str text, size_t cap):
+    encoded = text.encode()[:cap - 1]
+    strncpy(dst, encoded, cap - 1)
+    dst[cap - 1] = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals as Python exceptions
+# ---------------------------------------------------------------------------------------
+
+cdef raise_status(bnbw_status rc, const char *msg):
+    if rc == BNBW_ERROR_DATA_TYPE:
+        raise TypeError(msg.decode())
+    if rc == BNBW_ERROR_OUT_OF_MEMORY:
+        raise MemoryError(msg.decode())
+    raise ValueError(msg.decode())

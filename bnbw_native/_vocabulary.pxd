@@ -1,0 +1,370 @@
+# The engine's vocabulary: every name the native modules share, each defined once here.
+#
+# Glossary
+#   slot      an operand of the engine, by role (S_*): the big tensors (x's shape) first, then
+#             the per-channel ones, then the arguments only validation reads.  Arg, Rules and
+#             the DirectML members are all indexed by slot.
+#   op        what a call does, as flags (OP_*); the public formulas are fixed combinations (DO_*).
+#   dtype     a storage type (DT_*); the first three are the kernels' codes.
+#   layout    a validated call as the engine sees it: sizes, reduced dims, byte strides per slot.
+#   plan      how a layout's tensors are visited (bnbw_native._plan).
+#   schedule  who visits which part of a plan on which thread (bnbw_native._schedules).
+#   body      one compilation of the kernels for an instruction set (src/body_*.c).
+#   status    a bnbw_status: how every refusal is reported, to C callers and to Python alike.
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+from libc.math cimport sqrt
+
+
+cdef extern from "bnbw_half.h" nogil:
+    ctypedef struct bnbw_f16:
+        uint16_t bits
+    ctypedef struct bnbw_bf16:
+        uint16_t bits
+    float bnbw_f16_to_f32(bnbw_f16 h)
+    float bnbw_bf16_to_f32(bnbw_bf16 h)
+    bnbw_f16 bnbw_f64_to_f16(double d)
+    bnbw_bf16 bnbw_f64_to_bf16(double d)
+    # row converters: simd nonzero when the kernel body in use is AVX2 or better
+    void bnbw_load_f32(const char *src, int64_t stride, int64_t n, float *dst)
+    void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t stride)
+    void bnbw_load_f16(const char *src, int64_t stride, int64_t n, float *dst, int simd)
+    void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t stride, int simd)
+    void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst, int simd)
+    void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride, int simd)
+    const char *bnbw_half_simd_path(int simd)
+
+# The kernels (linked into bnbw_native._engine only, which owns the choice of body and
+# hands its table to the schedules).
+cdef extern from "bnbw_kernels.h" nogil:
+    enum:
+        BNBW_NO_MASK
+        BNBW_EXACT_SUMS
+        BNBW_BLOCKS
+        BNBW_BLOCKS_EVEN_ODD
+        BNBW_BLOCK_ROWS
+        BNBW_BODY_PORTABLE
+        BNBW_BODY_AVX2
+        BNBW_BODY_AVX512
+    ctypedef struct bnbw_io:
+        const void *x
+        const void *dy
+        const void *mask
+        void *dx
+        void *dres
+        int64_t x_step, dy_step, mask_step, dx_step, dres_step
+        int dt
+        int mask_dt
+    ctypedef struct bnbw_run:
+        int64_t count
+        int64_t x, dy, mask, dx, dres
+    ctypedef struct bnbw_kernel_table:
+        void (*reduce_row)(const bnbw_io *io, int64_t n, float mean, double *out,
+                           int sums) noexcept nogil
+        void (*apply_row)(const bnbw_io *io, int64_t n, float mean, float k1, float k2,
+                          float k3) noexcept nogil
+        void (*scale_row)(const bnbw_io *io, int64_t n, float k1) noexcept nogil
+        void (*reduce_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                            double *sum_g, double *sum_xg, int streaming,
+                            int sums) noexcept nogil
+        void (*apply_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                           const float *k1, const float *k2, const float *k3) noexcept nogil
+        void (*scale_rows)(const bnbw_io *io, int64_t rows, int64_t n,
+                           const float *k1) noexcept nogil
+        void (*reduce_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                               const float *mean, double *sums, int64_t sums_step,
+                               int sum_mode) noexcept nogil
+        void (*apply_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                              const float *mean, const float *k1, const float *k2,
+                              const float *k3) noexcept nogil
+        void (*scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                              const float *k1) noexcept nogil
+    int bnbw_cpu_body()
+    int bnbw_body()
+    void bnbw_set_body_cap(int cap)
+    const char *bnbw_body_name(int body)
+    const bnbw_kernel_table *bnbw_kernels()
+
+cdef extern from *:
+    """
+    #define BNBW_NATIVE_NO_IMPORT 1
+    """
+
+cdef extern from "bnbw_native.h" nogil:
+    ctypedef enum bnbw_data_type:
+        BNBW_DATA_TYPE_UNKNOWN
+        BNBW_DATA_TYPE_FLOAT32
+        BNBW_DATA_TYPE_FLOAT16
+        BNBW_DATA_TYPE_BFLOAT16
+    ctypedef struct bnbw_tensor_desc:
+        bnbw_data_type data_type
+        uint32_t dimension_count
+        const int64_t *sizes
+        const int64_t *strides
+        uint64_t total_tensor_size_in_bytes
+    ctypedef enum bnbw_operator_type:
+        BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD
+        BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD
+    ctypedef struct bnbw_batch_normalization_grad_desc:
+        const bnbw_tensor_desc *input
+        const bnbw_tensor_desc *input_gradient
+        const bnbw_tensor_desc *mean
+        const bnbw_tensor_desc *variance
+        const bnbw_tensor_desc *scale
+        const bnbw_tensor_desc *output_gradient
+        const bnbw_tensor_desc *output_scale_gradient
+        const bnbw_tensor_desc *output_bias_gradient
+        float epsilon
+    ctypedef struct bnbw_bindings:
+        const void *input
+        const void *input_gradient
+        const void *mean
+        const void *variance
+        const void *scale
+        void *output_gradient
+        void *output_scale_gradient
+        void *output_bias_gradient
+    # Every refusal of the validation layer is one of these (the C API returns them; Python
+    # raises TypeError for BNBW_ERROR_DATA_TYPE, MemoryError for out of memory, else ValueError)
+    ctypedef enum bnbw_status:
+        BNBW_OK
+        BNBW_ERROR_NULL_POINTER
+        BNBW_ERROR_DATA_TYPE
+        BNBW_ERROR_DIMENSION_COUNT
+        BNBW_ERROR_SIZES
+        BNBW_ERROR_STRIDES
+        BNBW_ERROR_TOTAL_SIZE
+        BNBW_ERROR_OVERLAP
+        BNBW_ERROR_EPSILON
+        BNBW_ERROR_NUM_THREADS
+        BNBW_ERROR_ALIGNMENT
+        BNBW_ERROR_OPERATOR_TYPE
+        BNBW_ERROR_OUT_OF_MEMORY
+        BNBW_ERROR_ADDRESS
+    ctypedef struct bnbw_operator:
+        pass
+    ctypedef struct bnbw_api_table:
+        uint32_t version
+        uint32_t size
+        const char *(*library_version)() noexcept nogil
+        bnbw_status (*calc_buffer_tensor_size)(bnbw_data_type, uint32_t, const int64_t *,
+                                               const int64_t *, uint64_t *,
+                                               uint64_t *) noexcept nogil
+        bnbw_status (*create_operator)(bnbw_operator_type,
+                                       const bnbw_batch_normalization_grad_desc *,
+                                       bnbw_operator **) noexcept nogil
+        bnbw_status (*execute)(const bnbw_operator *, const bnbw_bindings *,
+                               int) noexcept nogil
+        void (*destroy_operator)(bnbw_operator *) noexcept nogil
+        const char *(*error_message)() noexcept nogil
+        const char *(*status_name)(bnbw_status) noexcept nogil
+    enum: BNBW_API_VERSION
+    const char *BNBW_CAPSULE_NAME
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #include <omp.h>
+    static int bnbw_omp_max_threads(void) { return omp_get_max_threads(); }
+    static int bnbw_omp_num_procs(void) { return omp_get_num_procs(); }
+    static int bnbw_openmp_version(void) { return _OPENMP; }
+    #else
+    static int bnbw_omp_max_threads(void) { return 1; }
+    static int bnbw_omp_num_procs(void) { return 1; }
+    static int bnbw_openmp_version(void) { return 0; }
+    #endif
+    """
+    int bnbw_omp_max_threads() nogil
+    int bnbw_omp_num_procs() nogil       # the CPUs this process may run on (its affinity)
+    int bnbw_openmp_version() nogil
+
+
+cdef enum:
+    MAX_DIMS = 8
+
+# Storage types; the first three are the kernels' codes (BNBW_F32, BNBW_F16, BNBW_BF16).
+cdef enum:  # DType
+    DT_OTHER = -1        # anything the engine does not take (named in messages)
+    DT_F32 = 0
+    DT_F16 = 1
+    DT_BF16 = 2
+    DT_BOOL = 3          # a ReLU mask
+    DT_F64 = 4           # the two-phase sums only
+
+# Slots.  The big tensors (the shape of x) come first, then the per-channel ones; S_BETA and
+# S_PARTIAL are arguments that validation checks and the backward never reads.
+cdef enum:  # Slot
+    S_X = 0
+    S_DY = 1
+    S_DX = 2             # the big output: dx
+    S_MASK = 3           # the forward's ReLU output, or its bool mask
+    S_DRES = 4           # the gradient of the residual (the masked dy), an output
+    S_MEAN = 5
+    S_VAR = 6
+    S_SCALE = 7
+    S_DSCALE = 8
+    S_DBIAS = 9
+    S_BETA = 10          # nGraph's beta: validated only
+    S_PARTIAL = 11       # the two-phase sums given to backward_apply, copied in
+    N_BIG = 5
+    N_SLOTS = 10         # the slots the engine reads or writes
+    N_ROLES = 12         # every slot validation knows
+
+# What a call does (flags), and what one pass of a schedule does (a subset: OP_REDUCE and/or
+# OP_DX, with OP_TRAINING choosing the training dx over the frozen one).
+cdef enum:  # Op
+    OP_REDUCE = 1        # Sum dy and Sum (x - mean) dy from x and dy
+    OP_GIVEN_SUMS = 2    # the sums come from the caller (two-phase apply)
+    OP_TRAINING = 4      # the training dx (else frozen statistics: dx = scale * r * dy)
+    OP_DX = 8
+    OP_PARAMS = 16       # dscale, dbias
+    OP_RETURN_SUMS = 32  # copy the sums out (two-phase reduce)
+    OP_EXACT_SUMS = 64   # every term in f64, halves too (no f32 blocks)
+
+# The public formulas, as the front-ends ask for them.
+cdef enum:  # Formula
+    DO_TRAINING = OP_REDUCE | OP_TRAINING | OP_DX | OP_PARAMS    # dx, dscale, dbias
+    DO_FROZEN_DX = OP_DX          # oneDNN Graph's diff_src only: scale validated, then ignored
+    DO_FROZEN = OP_REDUCE | OP_DX | OP_PARAMS    # DirectML's BatchNormalizationGrad
+    DO_REDUCE = OP_REDUCE | OP_RETURN_SUMS       # the two-phase sums
+    DO_APPLY = OP_GIVEN_SUMS | OP_TRAINING | OP_DX | OP_PARAMS   # the two-phase apply
+
+# Elements below which threads cost more than they bring: such calls run on the calling thread.
+cdef enum:
+    SERIAL_BELOW = 65536
+
+
+ctypedef struct Layout:
+    # A validated call as the engine sees it (built once, by the validation layer).
+    int ndim
+    int64_t sizes[MAX_DIMS]
+    unsigned char reduced[MAX_DIMS]          # the dims every channel's sums run over
+    int64_t strides[N_SLOTS][MAX_DIMS]       # bytes; 0 on dims of size 1
+    unsigned char present[N_BIG]             # which big slots the call has (x and dy always)
+    int big_dtype            # storage type of x, dy, dx, dres
+    int mask_dtype           # storage type of the mask (DT_BOOL or big_dtype)
+    int stat_dtype           # storage type of the per-channel slots
+    int64_t channels         # C: the product of the kept dims
+
+
+ctypedef struct Plan:
+    # How x, dy and the other big tensors are visited: canonical dims, rows, the fixed
+    # partition of each channel's reduction into blocks.  Built from sizes and strides only.
+    bint empty               # no channel or no element: nothing to read
+    bint channel_last        # channels are the unit-stride inner dim of every big tensor
+    int big_dtype            # storage type of x, dy, dx, dres
+    int mask_dtype           # storage type of the mask (DT_BOOL or big_dtype)
+    int stat_dtype           # storage type of mean, variance, scale, dscale, dbias
+    unsigned char present[N_BIG]     # which big operands the call has (x and dy always)
+    int64_t channels         # C
+    int64_t count            # M, elements per channel
+    # Rows: the reduced index space minus the inner dimension (channel-major) or all of it
+    # (channel-last); a row's offset comes from its index by mixed-radix decomposition.
+    int n_outer
+    int64_t outer_size[MAX_DIMS]
+    int64_t outer_stride[N_BIG][MAX_DIMS]
+    int64_t inner_size       # channel-major: innermost reduced dim; channel-last: C
+    int64_t inner_stride[N_BIG]
+    int64_t base[N_BIG]      # byte offset of the first element visited (negative dims flipped)
+    # channel c starts at chan_stride[t] * c, or chan_offset[t][c] when that table exists
+    int64_t chan_stride[N_SLOTS]
+    int64_t *chan_offset[N_SLOTS]
+    # the fixed reduction partition: never depends on the thread count
+    bint whole_rows          # channel-major blocks hold whole rows
+    int64_t block            # channel-major: elements per block; channel-last: rows per block
+    int64_t nblocks
+    # Big operands laid out so that they would change the visiting order of x and dy go
+    # through dense temporaries laid out like x: inputs copied in, outputs copied out.
+    int ndim
+    int64_t sizes[MAX_DIMS]
+    unsigned char via_temp[N_BIG]
+    int64_t given_strides[N_BIG][MAX_DIMS]    # the caller's byte strides
+    int64_t temp_strides[N_BIG][MAX_DIMS]     # the temporary's
+    int64_t temp_low[N_BIG]                   # byte offset of its lowest element (<= 0)
+    int64_t temp_bytes[N_BIG]
+
+
+cdef inline int64_t itemsize(int dtype) noexcept nogil:
+    if dtype == DT_BOOL:
+        return 1
+    if dtype == DT_F64:
+        return 8
+    return 4 if dtype == DT_F32 else 2
+
+
+cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef inline int64_t chan_origin(const Plan *p, int t, int64_t c) noexcept nogil:
+    if p.chan_offset[t] != NULL:
+        return p.chan_offset[t][c]
+    return p.chan_stride[t] * c
+
+
+cdef inline void row_origin(const Plan *p, int64_t row, int64_t *off) noexcept nogil:
+    """Byte offsets of row `row` (mixed radix over the outer dims) in every big tensor."""
+    cdef int d, t
+    cdef int64_t q, i
+    for t in range(N_BIG):
+        off[t] = p.base[t]
+    for d in range(p.n_outer - 1, -1, -1):
+        q = row // p.outer_size[d]
+        i = row - q * p.outer_size[d]
+        for t in range(N_BIG):
+            off[t] += i * p.outer_stride[t][d]
+        row = q
+
+
+cdef inline float load_stat(const char *base, int dtype, int64_t offset) noexcept nogil:
+    cdef float f
+    cdef bnbw_f16 h
+    cdef bnbw_bf16 b
+    if dtype == DT_F32:
+        memcpy(&f, base + offset, 4)
+        return f
+    if dtype == DT_F16:
+        memcpy(&h, base + offset, 2)
+        return bnbw_f16_to_f32(h)
+    memcpy(&b, base + offset, 2)
+    return bnbw_bf16_to_f32(b)
+
+
+cdef inline void store_stat(char *base, int dtype, int64_t offset, double v) noexcept nogil:
+    cdef float f
+    cdef bnbw_f16 h
+    cdef bnbw_bf16 b
+    if dtype == DT_F32:
+        f = <float> v
+        memcpy(base + offset, &f, 4)
+    elif dtype == DT_F16:
+        h = bnbw_f64_to_f16(v)          # one rounding, straight from f64
+        memcpy(base + offset, &h, 2)
+    else:
+        b = bnbw_f64_to_bf16(v)
+        memcpy(base + offset, &b, 2)
+
+
+cdef inline void coefficients(int op, double sum_g, double sum_xg, double count, float var,
+                              float scale, double eps, float *k1, float *k2, float *k3,
+                              double *dscale, double *dbias) noexcept nogil:
+    """The only place where the formulas meet the sums.  With r = 1/sqrt(var + eps):
+        dbias = Sum dy,  dscale = r * Sum (x - mean) dy
+        dx = k1*dy + k2*(x - mean) + k3,  k1 = scale*r,
+        training: k2 = -scale*r*r*dscale/M,  k3 = -scale*r*dbias/M;  frozen: k2 = k3 = 0.
+    An empty batch (M = 0) has zero parameter gradients, whatever the statistics hold."""
+    cdef double r = 1.0 / sqrt(<double> var + eps)
+    cdef double sr = <double> scale * r
+    if count > 0:
+        dbias[0] = sum_g
+        dscale[0] = r * sum_xg
+    else:
+        dbias[0] = 0.0
+        dscale[0] = 0.0
+    k1[0] = <float> sr
+    if op & OP_TRAINING and count > 0:
+        k2[0] = <float> (-sr * r * dscale[0] / count)
+        k3[0] = <float> (-sr * sum_g / count)
+    else:
+        k2[0] = 0.0
+        k3[0] = 0.0
