@@ -1,7 +1,8 @@
-"""bnbw_native: fast, exact CPU batch-normalization training backward.
+"""bnbw_native: fast, exact CPU batch-normalization training, forward and backward.
 
 One strided engine (Cython + OpenMP) behind thin front-ends, one per public convention:
 
+* ``batchnorm_training_forward`` - oneDNN Graph ``BatchNormForwardTraining``
 * ``batchnorm_training_backward`` - oneDNN Graph ``BatchNormTrainingBackward``
 * ``bnbw_native.intel_spec.batch_norm_training_backprop`` - Intel spec
   ``BatchNormTrainingBackprop-1`` (also reachable under its first name, ``bnbw_native.onednn``)
@@ -39,7 +40,8 @@ except ImportError as exc:
         "modules are not built. Either build them there (python setup.py build_ext --inplace) "
         "or start Python from another directory so that the installed bnbw_native is "
         "imported.") from exc
-from ._onednn_graph import BackwardResult, batchnorm_training_backward
+from ._onednn_graph import (BackwardResult, ForwardResult, batchnorm_training_backward,
+                            batchnorm_training_forward)
 from ._two_phase import backward_apply, backward_reduce
 
 if _typing.TYPE_CHECKING:
@@ -73,10 +75,12 @@ def get_include() -> str:
 
 __all__ = [
     "BackwardResult",
+    "ForwardResult",
     "backward_apply",
     "backward_reduce",
     "get_include",
     "batchnorm_training_backward",
+    "batchnorm_training_forward",
     "get_num_threads",
     "set_num_threads",
     "show_config",

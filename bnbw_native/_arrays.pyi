@@ -11,6 +11,8 @@ FROZEN: int
 FROZEN_DX: int
 REDUCE: int
 APPLY: int
+FORWARD: int
+FORWARD_RELU: int
 
 def as_array(obj: Any, name: str) -> NDArray[Any]: ...
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str: ...
@@ -55,3 +57,17 @@ def describe(
     count: Any = None,
     exact_sums: bool = False,
 ) -> dict[str, Any]: ...
+def forward(
+    conv: Convention,
+    src: Any,
+    mean: Any,
+    variance: Any,
+    gamma: Any,
+    beta: Any,
+    epsilon: Any,
+    momentum: Any,
+    data_format: str = "NXC",
+    relu: bool = False,
+    out: Any = None,
+    num_threads: int | None = None,
+) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any], NDArray[Any], NDArray[Any]]: ...

@@ -21,12 +21,13 @@ from libc.string cimport memcpy, strncpy
 from bnbw_native._vocabulary cimport (
     Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64,
-    OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS, OP_EXACT_SUMS, DO_TRAINING, DO_FROZEN_DX,
-    DO_FROZEN, DO_REDUCE, DO_APPLY, bnbw_status, BNBW_OK)
+    S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS,
+    OP_EXACT_SUMS, OP_FORWARD, OP_RELU, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
+    DO_APPLY, DO_FORWARD, bnbw_status, BNBW_OK)
 from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, FAMILY_ARRAYS,
                                  FAMILY_DIRECTML, NAME_EPSILON, NAME_CAP, MESSAGE_CAP,
                                  check_call, layout_of, check_epsilon_value, copy_name,
-                                 parse_epsilon, raise_status)
+                                 parse_real, raise_status)
 from bnbw_native._engine cimport engine_run, engine_describe
 
 from bnbw_native._engine import requested_threads
@@ -39,6 +40,7 @@ cdef extern from "numpy/arrayobject.h":
 
 # What a call does, as the front-ends name it.
 TRAINING, FROZEN_DX, FROZEN, REDUCE, APPLY = DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE, DO_APPLY
+FORWARD, FORWARD_RELU = DO_FORWARD, DO_FORWARD | OP_RELU
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ def check_epsilon(value, name="epsilon"):
     cdef Epsilon e
     cdef Rules r
     cdef char msg[MESSAGE_CAP]
-    parse_epsilon(value, &e)
+    parse_real(value, &e, name)
     copy_name(r.names[NAME_EPSILON], name, NAME_CAP)
     if check_epsilon_value(&r, &e, msg, MESSAGE_CAP) != BNBW_OK:
         raise ValueError(msg.decode())
@@ -179,21 +181,25 @@ def check_epsilon(value, name="epsilon"):
 
 ctypedef struct Call:
     # A checked array call, ready for the engine (its Args live on the caller's stack).
-    int op               # DO_* (and OP_EXACT_SUMS)
+    int op               # DO_* (and OP_EXACT_SUMS, OP_RELU)
     int axis             # x's channel axis, 0..ndim-1 (array conventions)
     Epsilon eps
+    Epsilon momentum     # the forward's
     int64_t count        # the two-phase global count, -1 otherwise
     int64_t channels     # C, as the checks found it
     int requested        # num_threads as given (0: none)
 
 
+# Where each output stands in `out`: the backward's three and the forward's five.
 cdef int _OUT_ROLES[3]
 _OUT_ROLES[:] = [S_DX, S_DSCALE, S_DBIAS]
+cdef int _FORWARD_OUT_ROLES[5]
+_FORWARD_OUT_ROLES[:] = [S_DX, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
 
 
 cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, epsilon,
                      data_format, out, num_threads, beta, relu_dst, diff_residual, partial,
-                     count):
+                     count, momentum):
     """Marshal, check and allocate: everything of a call but running it.  Returns (results,
     keep): the output arrays, and the arrays the call must keep alive."""
     cdef const Rules *r = &conv.rules
@@ -201,10 +207,13 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     cdef bnbw_status rc
     cdef int t, n_out
     cdef int op = c.op
+    cdef const int *out_roles = &_OUT_ROLES[0]
     cdef cnp.npy_intp C
     cdef cnp.ndarray X, M
     cdef list keep = []
     cdef bint reduce_only = (op & OP_RETURN_SUMS) != 0
+    if op & OP_FORWARD:
+        out_roles = &_FORWARD_OUT_ROLES[0]
     for t in range(N_ROLES):
         a[t].present = False
         a[t].data = NULL
@@ -212,19 +221,22 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     c.axis = 0
     if r.family == FAMILY_ARRAYS:
         c.axis = 1 if data_format == "NCX" else a[S_X].ndim - 1
-    _input(dy, &a[S_DY], conv, S_DY, keep)
+    if not (op & OP_FORWARD):
+        _input(dy, &a[S_DY], conv, S_DY, keep)
     M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep)
     if var is not None or not reduce_only:
         _input(var, &a[S_VAR], conv, S_VAR, keep)
     if scale is not None or r.scale_required:
         _input(scale, &a[S_SCALE], conv, S_SCALE, keep)
-    if r.names[S_BETA][0]:
+    if beta is not None or r.beta_required:
         _input(beta, &a[S_BETA], conv, S_BETA, keep)
     if relu_dst is not None:
         _input(relu_dst, &a[S_MASK], conv, S_MASK, keep)
     c.eps.value = 1.0
     if not reduce_only:
-        parse_epsilon(epsilon, &c.eps)
+        parse_real(epsilon, &c.eps, "epsilon")
+    if op & OP_FORWARD:
+        parse_real(momentum, &c.momentum, "momentum")
     c.requested = requested_threads(num_threads)
     c.count = -1
     if op & OP_GIVEN_SUMS:
@@ -239,7 +251,9 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
             raise ValueError(f"count must be below 2**63, got {count}")
         c.count = count if count >= 0 else -1
     n_out = 0
-    if r.family == FAMILY_ARRAYS and not reduce_only:
+    if op & OP_FORWARD:
+        n_out = 5
+    elif r.family == FAMILY_ARRAYS and not reduce_only:
         n_out = 3 if op & OP_PARAMS else 1
     given = None
     if out is not None:
@@ -247,14 +261,15 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
             raise TypeError(f"out must be a tuple of {n_out} arrays, got {type(out).__name__}")
         if len(out) != n_out:
             raise ValueError(f"out must hold {n_out} arrays (one per output), got {len(out)}")
-        given = [_output(out[t], &a[_OUT_ROLES[t]], r.labels[_OUT_ROLES[t]].decode())
+        given = [_output(out[t], &a[out_roles[t]], r.labels[out_roles[t]].decode())
                  for t in range(n_out)]
     if diff_residual is not None:
         keep.append(_output(diff_residual, &a[S_DRES], r.labels[S_DRES].decode()))
 
     with nogil:
-        rc = check_call(r, a, op, c.axis, NULL if reduce_only else &c.eps, c.count,
-                        &c.channels, msg, MESSAGE_CAP)
+        rc = check_call(r, a, op, c.axis, NULL if reduce_only else &c.eps,
+                        &c.momentum if op & OP_FORWARD else NULL, c.count, &c.channels, msg,
+                        MESSAGE_CAP)
     if rc != BNBW_OK:
         raise_status(rc, msg)
 
@@ -265,12 +280,11 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     if r.family == FAMILY_DIRECTML:
         shape = tuple(a[S_MEAN].shape[t] for t in range(a[S_MEAN].ndim))
         results += [np.empty(shape, X.dtype), np.empty(shape, X.dtype)]
-    elif n_out == 3:
+    else:
         C = c.channels
-        results += [cnp.PyArray_EMPTY(1, &C, cnp.PyArray_TYPE(M), 0),
-                    cnp.PyArray_EMPTY(1, &C, cnp.PyArray_TYPE(M), 0)]
+        results += [cnp.PyArray_EMPTY(1, &C, cnp.PyArray_TYPE(M), 0) for t in range(n_out - 1)]
     for t in range(len(results)):
-        _fill(&a[_OUT_ROLES[t]], <cnp.ndarray> results[t])
+        _fill(&a[out_roles[t]], <cnp.ndarray> results[t])
     return results, keep
 
 
@@ -286,8 +300,12 @@ cdef object _run(Convention conv, const Call *c, Arg *a, results):
     layout_of(&conv.rules, a, c.axis, &layout)
     for t in range(N_SLOTS):
         ptr[t] = a[t].data if a[t].present else NULL
+    if not a[S_DY].present:
+        ptr[S_DY] = ptr[S_X]         # the forward reads x only; it plans with x in dy's place
     if c.op & ~OP_EXACT_SUMS == DO_FROZEN_DX:
         ptr[S_SCALE] = NULL          # diff_src only: gamma validated, then ignored
+    if not (c.op & OP_FORWARD):
+        ptr[S_BETA] = NULL           # nGraph's beta: validated only
     if c.op & (OP_RETURN_SUMS | OP_GIVEN_SUMS):
         sums = <double *> PyMem_Malloc((2 * C + 1) * sizeof(double))
         if sums == NULL:
@@ -301,8 +319,9 @@ cdef object _run(Convention conv, const Call *c, Arg *a, results):
             memcpy(&sums[2 * ch + 1], pdata + pstride0 + ch * pstride1, 8)
     try:
         with nogil:
-            rc = engine_run(&layout, ptr, c.op, <float> c.eps.value, <double> c.count, sums,
-                            c.requested)
+            rc = engine_run(&layout, ptr, c.op, <float> c.eps.value,
+                            <float> c.momentum.value if c.op & OP_FORWARD else 0.0,
+                            <double> c.count, sums, c.requested)
         if rc != BNBW_OK:
             raise MemoryError("bnbw_native: out of memory")
         if c.op & OP_RETURN_SUMS:
@@ -337,7 +356,7 @@ def backward(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None
     cdef Call c
     c.op = formula | (OP_EXACT_SUMS if exact_sums else 0)
     results, keep = _prepare(conv, &c, a, x, dy, mean, var, scale, epsilon, data_format, out,
-                             num_threads, beta, relu_dst, diff_residual, partial, count)
+                             num_threads, beta, relu_dst, diff_residual, partial, count, None)
     try:
         return _run(conv, &c, a, results)
     finally:
@@ -354,6 +373,22 @@ def describe(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None
     cdef Layout layout
     c.op = formula | (OP_EXACT_SUMS if exact_sums else 0)
     _prepare(conv, &c, a, x, dy, mean, var, scale, epsilon, data_format, None, num_threads,
-             beta, relu_dst, diff_residual, partial, count)
+             beta, relu_dst, diff_residual, partial, count, None)
     layout_of(&conv.rules, a, c.axis, &layout)
     return engine_describe(&layout, c.op, c.requested)
+
+
+def forward(Convention conv, src, mean, variance, gamma, beta, epsilon, momentum,
+            data_format="NXC", bint relu=False, out=None, num_threads=None):
+    """Check and run one training forward of `conv`.  Returns (y, running_mean,
+    running_variance, batch_mean, batch_variance)."""
+    cdef Arg a[N_ROLES]
+    cdef Call c
+    c.op = DO_FORWARD | (OP_RELU if relu else 0)
+    results, keep = _prepare(conv, &c, a, src, None, mean, variance, gamma, epsilon,
+                             data_format, out, num_threads, beta, None, None, None, None,
+                             momentum)
+    try:
+        return _run(conv, &c, a, results)
+    finally:
+        del keep

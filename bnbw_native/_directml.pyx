@@ -35,7 +35,7 @@ from bnbw_native._vocabulary cimport (
     BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT,
     BNBW_ERROR_OPERATOR_TYPE, BNBW_ERROR_OUT_OF_MEMORY, BNBW_ERROR_ADDRESS)
 from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, MESSAGE_CAP, check_call,
-                                 layout_of, ranges_overlap, type_text, parse_epsilon,
+                                 layout_of, ranges_overlap, type_text, parse_real,
                                  raise_status)
 from bnbw_native._engine cimport engine_plan, engine_execute, engine_release
 
@@ -211,7 +211,7 @@ cdef bnbw_status operator_check(const bnbw_batch_normalization_grad_desc *desc,
         for d in range(t[slot].ndim):
             a[slot].shape[d] = t[slot].sizes[d]
             a[slot].strides[d] = t[slot].strides[d] * t[slot].itemsize
-    return check_call(RULES, a, 0, 0, eps, -1, &channels, msg, cap)
+    return check_call(RULES, a, 0, 0, eps, NULL, -1, &channels, msg, cap)
 
 
 cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
@@ -318,7 +318,7 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
                 snprintf(msg, cap, "%s overlaps the input %s; output buffers must not "
                          "overlap input buffers", member_name(o), member_name(s))
             return BNBW_ERROR_OVERLAP
-    if engine_execute(&op.plan, <char **> ptr, op.op, <float> op.eps.value, -1, NULL,
+    if engine_execute(&op.plan, <char **> ptr, op.op, <float> op.eps.value, 0.0, -1, NULL,
                       num_threads) != BNBW_OK:
         snprintf(msg, cap, "out of memory for the reduction buffers")
         return BNBW_ERROR_OUT_OF_MEMORY
@@ -423,7 +423,7 @@ cdef class Operator:
         desc.output_gradient = &store[5].desc
         desc.output_scale_gradient = &store[6].desc
         desc.output_bias_gradient = &store[7].desc
-        parse_epsilon(epsilon, &eps)
+        parse_real(epsilon, &eps, "epsilon")
         desc.epsilon = <float> eps.value
         with nogil:
             rc = op_create(code, &desc, &eps, &self.impl, msg, MESSAGE_CAP)

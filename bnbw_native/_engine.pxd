@@ -2,10 +2,10 @@ from bnbw_native._vocabulary cimport Layout, Plan, bnbw_status
 
 # The one way into the engine (see _engine.pyx).
 cdef bnbw_status engine_plan(const Layout *l, Plan *p) noexcept nogil
-cdef bnbw_status engine_execute(const Plan *p, char **ptr, int op, double eps, double count,
-                                double *sums, int requested) noexcept nogil
-cdef bnbw_status engine_run(const Layout *l, char **ptr, int op, double eps, double count,
-                            double *sums, int requested) noexcept nogil
+cdef bnbw_status engine_execute(const Plan *p, char **ptr, int op, double eps, double momentum,
+                                double count, double *sums, int requested) noexcept nogil
+cdef bnbw_status engine_run(const Layout *l, char **ptr, int op, double eps, double momentum,
+                            double count, double *sums, int requested) noexcept nogil
 cdef void engine_release(Plan *p) noexcept nogil
 cdef dict engine_describe(const Layout *l, int op, int requested)
 

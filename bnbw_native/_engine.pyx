@@ -146,28 +146,28 @@ cdef void engine_release(Plan *p) noexcept nogil:
     plan_free(p)
 
 
-cdef bnbw_status engine_execute(const Plan *p, char **ptr, int op, double eps, double count,
-                                double *sums, int requested) noexcept nogil:
+cdef bnbw_status engine_execute(const Plan *p, char **ptr, int op, double eps, double momentum,
+                                double count, double *sums, int requested) noexcept nogil:
     """Schedule and run plan `p` on the operands ptr[N_SLOTS] with `requested` threads (0: the
     default).  count < 0: the plan's own M.  Nothing is written when memory runs out."""
     cdef Schedule s
     schedule_choose(p, op, resolve_threads(requested), &s)
     if s.nthreads > 1:
         team_started()
-    if execute(p, &s, bnbw_kernels(), ptr, op, eps, <double> p.count if count < 0 else count,
-               sums) != 0:
+    if execute(p, &s, bnbw_kernels(), ptr, op, eps, momentum,
+               <double> p.count if count < 0 else count, sums) != 0:
         return BNBW_ERROR_OUT_OF_MEMORY
     return BNBW_OK
 
 
-cdef bnbw_status engine_run(const Layout *l, char **ptr, int op, double eps, double count,
-                            double *sums, int requested) noexcept nogil:
+cdef bnbw_status engine_run(const Layout *l, char **ptr, int op, double eps, double momentum,
+                            double count, double *sums, int requested) noexcept nogil:
     """engine_plan, then engine_execute: one call from its layout to its results."""
     cdef Plan p
     cdef bnbw_status rc = engine_plan(l, &p)
     if rc != BNBW_OK:
         return rc
-    rc = engine_execute(&p, ptr, op, eps, count, sums, requested)
+    rc = engine_execute(&p, ptr, op, eps, momentum, count, sums, requested)
     plan_free(&p)
     return rc
 

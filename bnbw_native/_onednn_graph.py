@@ -1,14 +1,54 @@
-"""oneDNN Graph ``BatchNormTrainingBackward``."""
+"""oneDNN Graph ``BatchNormForwardTraining`` and ``BatchNormTrainingBackward``."""
 from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._arrays import FROZEN_DX, TRAINING, backward, check_choice, check_int_choice
+from ._arrays import FROZEN_DX, TRAINING, backward, check_choice, check_int_choice, forward
 from ._rules import Convention
 
 GRAPH = Convention(dict(x="src", dy="diff_dst", mean="mean", var="variance", scale="gamma",
                         dx="diff_src", dscale="diff_gamma", dbias="diff_beta",
                         relu_dst="relu_dst", diff_residual="diff_residual"))
+
+
+FORWARD = Convention(dict(x="src", mean="mean", var="variance", scale="gamma", beta="beta",
+                          dx="dst", run_mean="running_mean", run_var="running_variance",
+                          batch_mean="batch_mean", batch_var="batch_variance"))
+
+
+class ForwardResult(NamedTuple):
+    """dst (like src), then the running and the batch statistics (length C)."""
+    dst: np.ndarray
+    running_mean: np.ndarray
+    running_variance: np.ndarray
+    batch_mean: np.ndarray
+    batch_variance: np.ndarray
+
+
+def batchnorm_training_forward(src, mean, variance, gamma=None, beta=None, *, epsilon,
+                               momentum=0.5, data_format="NXC", fuse_relu=False, out=None,
+                               num_threads=None):
+    """A training-mode batch normalization, as oneDNN Graph's BatchNormForwardTraining.
+
+    Per channel, over the M elements of src that map to it: batch_mean = Sum x / M,
+    batch_variance = Sum (x - batch_mean)^2 / M (biased), dst = gamma * (x - batch_mean) /
+    sqrt(batch_variance + epsilon) + beta (then ReLU when fuse_relu), running_mean =
+    momentum * mean + (1 - momentum) * batch_mean and running_variance = momentum * variance +
+    (1 - momentum) * batch_variance: `mean` and `variance` are the previous running statistics
+    and momentum weighs them (the reverse of PyTorch's momentum).
+
+    src: T1 (float32, bfloat16, float16), rank 2 to 8, any strides; mean, variance, gamma,
+    beta: 1-D of length C, one dtype T2 (float32, or bfloat16 when T1 is bfloat16); gamma
+    None means 1, beta None means 0.  data_format "NXC" (channels last, the default) or "NCX".
+    out: five preallocated outputs in result order; dst may be src itself, running_mean mean
+    and running_variance variance (in place).
+    Returns a ForwardResult(dst, running_mean, running_variance, batch_mean, batch_variance).
+    """
+    check_choice(data_format, "data_format", ("NXC", "NCX"))
+    if not isinstance(fuse_relu, (bool, np.bool_)):
+        raise TypeError(f"fuse_relu must be True or False, got {type(fuse_relu).__name__}")
+    return ForwardResult(*forward(FORWARD, src, mean, variance, gamma, beta, epsilon, momentum,
+                                  data_format, bool(fuse_relu), out, num_threads))
 
 
 class BackwardResult(NamedTuple):

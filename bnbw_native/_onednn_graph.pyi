@@ -6,6 +6,31 @@ from numpy.typing import ArrayLike, NDArray
 from ._rules import Convention
 
 GRAPH: Convention
+FORWARD: Convention
+
+class ForwardResult(NamedTuple):
+    """dst (like src), then the running and the batch statistics (length C)."""
+
+    dst: NDArray[Any]
+    running_mean: NDArray[Any]
+    running_variance: NDArray[Any]
+    batch_mean: NDArray[Any]
+    batch_variance: NDArray[Any]
+
+def batchnorm_training_forward(
+    src: ArrayLike,
+    mean: ArrayLike,
+    variance: ArrayLike,
+    gamma: ArrayLike | None = None,
+    beta: ArrayLike | None = None,
+    *,
+    epsilon: float | np.floating[Any],
+    momentum: float | np.floating[Any] = 0.5,
+    data_format: Literal["NXC", "NCX"] = "NXC",
+    fuse_relu: bool | np.bool_ = False,
+    out: tuple[Any, ...] | list[Any] | None = None,
+    num_threads: int | None = None,
+) -> ForwardResult: ...
 
 class BackwardResult(NamedTuple):
     """diff_src (like src), diff_gamma and diff_beta (length C; None when not computed)."""

@@ -8,7 +8,8 @@ cdef enum:
     MESSAGE_CAP = 512
     NAME_EPSILON = N_ROLES           # names beyond the roles: options messages mention
     NAME_DATA_FORMAT = N_ROLES + 1   # empty when the convention has no data_format
-    N_NAMES = N_ROLES + 2
+    NAME_MOMENTUM = N_ROLES + 2
+    N_NAMES = N_ROLES + 3
 
 cdef enum Family:
     FAMILY_ARRAYS = 0    # oneDNN Graph, Intel spec, nGraph, two-phase: statistics 1-D of length C
@@ -35,6 +36,7 @@ ctypedef struct Rules:
     char names[N_NAMES][NAME_CAP]
     char labels[N_ROLES][NAME_CAP + 16]   # how messages name an output ("out[0] (diff_src)")
     bint scale_required      # nGraph: gamma must be given (elsewhere None means 1)
+    bint beta_required       # nGraph: beta must be given (and is validated only)
     int family
     int dtype_rule
     int min_rank
@@ -45,11 +47,11 @@ ctypedef struct Epsilon:
     char text[48]            # the caller's value as Python prints it
 
 cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
-                            int64_t count, int64_t *channels, char *msg,
-                            size_t cap) noexcept nogil
+                            const Epsilon *momentum, int64_t count, int64_t *channels,
+                            char *msg, size_t cap) noexcept nogil
 cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept nogil
 cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil
-cdef int parse_epsilon(object value, Epsilon *e) except -1
+cdef int parse_real(object value, Epsilon *e, str name) except -1
 cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *msg,
                                      size_t cap) noexcept nogil
 cdef bint ranges_overlap(uintptr_t a, uint64_t a_bytes, uintptr_t b,

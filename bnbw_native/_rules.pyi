@@ -2,6 +2,7 @@
 from collections.abc import Mapping
 
 ROLES: dict[str, int]
+OUT_INDEX: dict[str, int]
 
 class Convention:
     def __init__(
@@ -13,5 +14,6 @@ class Convention:
         ranks: tuple[int, int] = (2, 8),
         data_format: bool = True,
         scale_required: bool = False,
+        beta_required: bool = False,
     ) -> None: ...
     def name(self, role: str) -> str: ...

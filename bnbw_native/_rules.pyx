@@ -27,7 +27,8 @@ import numpy as np
 from bnbw_native._vocabulary cimport (
     Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR,
     S_SCALE, S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL,
-    DT_F64, OP_GIVEN_SUMS, itemsize, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
+    DT_F64, OP_GIVEN_SUMS, OP_FORWARD, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR,
+    itemsize, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
     BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_OVERLAP,
     BNBW_ERROR_EPSILON, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY)
 
@@ -360,20 +361,36 @@ cdef bnbw_status _check_output(const Rules *r, const Arg *a, int role, int want_
     return BNBW_ERROR_OVERLAP
 
 
-cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, char *msg,
+cdef int _in_place_input(int op, int output) noexcept nogil:
+    """The input an output may be the very same view of (in place), or -1: the backward's dx and
+    residual gradient over dy; the forward's y over x and running statistics over the old."""
+    if op & OP_FORWARD:
+        if output == S_DX:
+            return S_X
+        if output == S_RUN_MEAN:
+            return S_MEAN
+        if output == S_RUN_VAR:
+            return S_VAR
+        return -1
+    return S_DY if output == S_DX or output == S_DRES else -1
+
+
+cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg,
                                  size_t cap) noexcept nogil:
-    """Outputs apart from each other and from every input, except that dx and the residual
-    gradient may each be the very same view as dy (in place)."""
-    cdef int outputs[4]
+    """Outputs apart from each other and from every input, except each output's in-place
+    input (_in_place_input) when it is the very same view."""
+    cdef int outputs[8]
     cdef int inputs[7]
-    cdef int i, j, o, k, rc
-    outputs[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES]
+    cdef int i, j, o, k, rc, same
+    outputs[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN,
+                  S_BATCH_VAR]
     inputs[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_MASK]
-    for i in range(4):
+    for i in range(8):
         o = outputs[i]
         if not a[o].present or a[o].data == NULL:
             continue
-        for j in range(i + 1, 4):
+        same = _in_place_input(op, o)
+        for j in range(i + 1, 8):
             k = outputs[j]
             if a[k].present and a[k].data != NULL and _may_share(&a[o], &a[k]) != 0:
                 snprintf(msg, cap, "%s overlaps %s; outputs must not overlap", r.labels[o],
@@ -383,29 +400,41 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, char *msg,
             k = inputs[j]
             if not a[k].present or a[k].data == NULL:
                 continue
-            if k == S_DY and (o == S_DX or o == S_DRES) and _same_view(&a[o], &a[k]):
+            if k == same and _same_view(&a[o], &a[k]):
                 continue
             rc = _may_share(&a[o], &a[k])
             if rc != 0:
-                if o == S_DX or o == S_DRES:
+                if same >= 0:
                     snprintf(msg, cap, "%s overlaps the input %s (only the very same array "
-                             "as %s is allowed)", r.labels[o], r.names[k], r.names[S_DY])
+                             "as %s is allowed)", r.labels[o], r.names[k], r.names[same])
                 else:
                     snprintf(msg, cap, "%s overlaps the input %s", r.labels[o], r.names[k])
                 return BNBW_ERROR_OVERLAP
     return BNBW_OK
 
 
+cdef bnbw_status _check_momentum(const Rules *r, const Epsilon *m, char *msg,
+                                 size_t cap) noexcept nogil:
+    """An average's weight: finite and in [0, 1] once rounded to float32."""
+    cdef float v = <float> m.value
+    if v >= 0 and v <= 1:
+        return BNBW_OK
+    snprintf(msg, cap, "%s must be finite and in [0, 1] after conversion to float32, got %s",
+             r.names[NAME_MOMENTUM], m.text)
+    return BNBW_ERROR_EPSILON
+
+
 cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
-                               int64_t count, int64_t *channels, char *msg,
-                               size_t cap) noexcept nogil:
-    """oneDNN Graph, the Intel spec, nGraph, the two phases: x and dy of rank
+                               const Epsilon *momentum, int64_t count, int64_t *channels,
+                               char *msg, size_t cap) noexcept nogil:
+    """oneDNN Graph, the Intel spec, nGraph, the two phases and the forward: x (and dy) of rank
     min_rank..max_rank, the statistics 1-D of length C along `axis`."""
     cdef const Arg *x = &a[S_X]
     cdef const Arg *dy = &a[S_DY]
     cdef char text[256]
     cdef const char *hint
     cdef int roles[4]
+    cdef int stat_outputs[4]
     cdef int i, role, t2 = -1, t2_role = S_MEAN
     cdef int64_t C, local = 1
     cdef bnbw_status rc
@@ -416,16 +445,17 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
         snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
                  r.min_rank, r.max_rank, x.ndim)
         return BNBW_ERROR_DIMENSION_COUNT
-    rc = _kind(r, dy, S_DY, msg, cap)
-    if rc != BNBW_OK:
-        return rc
-    if dy.dtype != x.dtype:
-        snprintf(msg, cap, "%s must have the dtype of %s (%s), got %s", r.names[S_DY],
-                 r.names[S_X], x.type_name, dy.type_name)
-        return BNBW_ERROR_DATA_TYPE
-    rc = _same_shape(r, dy, S_DY, x, S_X, msg, cap)
-    if rc != BNBW_OK:
-        return rc
+    if not (op & OP_FORWARD):
+        rc = _kind(r, dy, S_DY, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+        if dy.dtype != x.dtype:
+            snprintf(msg, cap, "%s must have the dtype of %s (%s), got %s", r.names[S_DY],
+                     r.names[S_X], x.type_name, dy.type_name)
+            return BNBW_ERROR_DATA_TYPE
+        rc = _same_shape(r, dy, S_DY, x, S_X, msg, cap)
+        if rc != BNBW_OK:
+            return rc
     C = x.shape[axis]
     channels[0] = C
     roles[:] = [S_MEAN, S_VAR, S_SCALE, S_BETA]
@@ -441,11 +471,19 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
             t2_role = role
             if r.dtype_rule == RULE_GRAPH and not (
                     t2 == DT_F32 or (t2 == DT_BF16 and x.dtype == DT_BF16)):
-                snprintf(msg, cap, "%s has dtype %s with %s of dtype %s; allowed (%s/%s, "
-                         "%s/%s/%s): (float32, float32), (bfloat16, float32), (bfloat16, "
-                         "bfloat16), (float16, float32)", r.names[role], a[role].type_name,
-                         r.names[S_X], x.type_name, r.names[S_X], r.names[S_DY],
-                         r.names[S_MEAN], r.names[S_VAR], r.names[S_SCALE])
+                if op & OP_FORWARD:
+                    snprintf(msg, cap, "%s has dtype %s with %s of dtype %s; allowed (%s, "
+                             "%s/%s/%s/%s): (float32, float32), (bfloat16, float32), "
+                             "(bfloat16, bfloat16), (float16, float32)", r.names[role],
+                             a[role].type_name, r.names[S_X], x.type_name, r.names[S_X],
+                             r.names[S_MEAN], r.names[S_VAR], r.names[S_SCALE],
+                             r.names[S_BETA])
+                else:
+                    snprintf(msg, cap, "%s has dtype %s with %s of dtype %s; allowed (%s/%s, "
+                             "%s/%s/%s): (float32, float32), (bfloat16, float32), (bfloat16, "
+                             "bfloat16), (float16, float32)", r.names[role], a[role].type_name,
+                             r.names[S_X], x.type_name, r.names[S_X], r.names[S_DY],
+                             r.names[S_MEAN], r.names[S_VAR], r.names[S_SCALE])
                 return BNBW_ERROR_DATA_TYPE
             if r.dtype_rule == RULE_SAME and t2 != x.dtype:
                 snprintf(msg, cap, "%s must have the element type of %s (%s), got %s",
@@ -484,6 +522,10 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
         rc = check_epsilon_value(r, eps, msg, cap)
         if rc != BNBW_OK:
             return rc
+    if momentum != NULL:
+        rc = _check_momentum(r, momentum, msg, cap)
+        if rc != BNBW_OK:
+            return rc
     if op & OP_GIVEN_SUMS:
         if a[S_PARTIAL].dtype != DT_F64:
             snprintf(msg, cap, "%s must be a float64 array of shape (2, C) from "
@@ -506,18 +548,19 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
         rc = _check_output(r, &a[S_DX], S_DX, x.dtype, x.ndim, x.shape, msg, cap)
         if rc != BNBW_OK:
             return rc
-    roles[0] = S_DSCALE
-    roles[1] = S_DBIAS
-    for i in range(2):
-        if a[roles[i]].present:
-            rc = _check_output(r, &a[roles[i]], roles[i], t2, 1, &C, msg, cap)
+    stat_outputs[:] = [S_DSCALE, S_DBIAS, -1, -1]
+    if op & OP_FORWARD:
+        stat_outputs[:] = [S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
+    for i in range(4):
+        if stat_outputs[i] >= 0 and a[stat_outputs[i]].present:
+            rc = _check_output(r, &a[stat_outputs[i]], stat_outputs[i], t2, 1, &C, msg, cap)
             if rc != BNBW_OK:
                 return rc
     if a[S_DRES].present:
         rc = _check_output(r, &a[S_DRES], S_DRES, x.dtype, x.ndim, x.shape, msg, cap)
         if rc != BNBW_OK:
             return rc
-    return _check_overlaps(r, a, msg, cap)
+    return _check_overlaps(r, a, op, msg, cap)
 
 
 cdef bnbw_status _check_directml(const Rules *r, Arg *a, const Epsilon *eps, int64_t *channels,
@@ -594,15 +637,15 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, const Epsilon *eps, int
 
 
 cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
-                            int64_t count, int64_t *channels, char *msg,
-                            size_t cap) noexcept nogil:
+                            const Epsilon *momentum, int64_t count, int64_t *channels,
+                            char *msg, size_t cap) noexcept nogil:
     """Every rule of the convention `r` on the arguments a[N_ROLES]; `axis` is x's channel axis
-    (0..ndim-1; array conventions).  Outputs without an address yet (descriptors, or arrays the
-    layer allocates) are checked for their layout only.  BNBW_OK with C in *channels, or the
-    refusal with its message in msg."""
+    (0..ndim-1; array conventions); eps and momentum NULL where the call has none.  Outputs
+    without an address yet (descriptors, or arrays the layer allocates) are checked for their
+    layout only.  BNBW_OK with C in *channels, or the refusal with its message in msg."""
     if r.family == FAMILY_DIRECTML:
         return _check_directml(r, a, eps, channels, msg, cap)
-    return _check_arrays(r, a, op, axis, eps, count, channels, msg, cap)
+    return _check_arrays(r, a, op, axis, eps, momentum, count, channels, msg, cap)
 
 
 cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept nogil:
@@ -617,6 +660,7 @@ cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept 
     l.channels = 1
     for t in range(N_BIG):
         l.present[t] = a[t].present
+    l.present[S_DY] = True                  # the forward plans with x in dy's place
     for d in range(l.ndim):
         l.sizes[d] = a[S_X].shape[d]
         if r.family == FAMILY_DIRECTML:
@@ -633,16 +677,19 @@ cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept 
                     l.strides[t][d] = a[t].strides[d]
             elif d == axis:
                 l.strides[t][d] = a[t].strides[0]
+        if not a[S_DY].present:
+            l.strides[S_DY][d] = l.strides[S_X][d]
 
 
-cdef int parse_epsilon(object value, Epsilon *e) except -1:
-    """epsilon as a Python caller gave it: a real number (TypeError otherwise), kept as a
-    double with its text for messages; the value rules are check_epsilon_value's."""
+cdef int parse_real(object value, Epsilon *e, str name) except -1:
+    """A real argument (epsilon, momentum) as a Python caller gave it: a real number
+    (TypeError naming it otherwise), kept as a double with its text for messages; the value
+    rules are the checks'."""
     if type(value) is not float:
         if isinstance(value, np.ndarray) and value.ndim == 0:
             value = value[()]
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-            raise TypeError(f"epsilon must be a real number, got {type(value).__name__}")
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
         e.value = float(value)
     except (OverflowError, ValueError):    # beyond the float range
@@ -661,8 +708,12 @@ cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil:
 # ---------------------------------------------------------------------------------------
 
 ROLES = {"x": S_X, "dy": S_DY, "dx": S_DX, "relu_dst": S_MASK, "diff_residual": S_DRES,
-         "mean": S_MEAN, "var": S_VAR, "scale": S_SCALE, "dscale": S_DSCALE, "dbias": S_DBIAS,
-         "beta": S_BETA, "partial": S_PARTIAL}
+         "mean": S_MEAN, "var": S_VAR, "scale": S_SCALE, "beta": S_BETA, "dscale": S_DSCALE,
+         "dbias": S_DBIAS, "run_mean": S_RUN_MEAN, "run_var": S_RUN_VAR,
+         "batch_mean": S_BATCH_MEAN, "batch_var": S_BATCH_VAR, "partial": S_PARTIAL}
+# where each output stands in `out` (the backward's three, the forward's five)
+OUT_INDEX = {"dx": 0, "dscale": 1, "dbias": 2, "run_mean": 1, "run_var": 2, "batch_mean": 3,
+             "batch_var": 4}
 
 
 cdef class Convention:
@@ -670,28 +721,29 @@ cdef class Convention:
     rules.  names: role -> name (roles as in ROLES); family "arrays" (1-D statistics of length
     C, outputs named "out[i] (name)") or "directml"; dtype_rule "graph" or "same"; ranks of x;
     data_format: whether the convention takes a data_format (its messages can then hint);
-    scale_required: None is no scale of 1 here."""
+    scale_required, beta_required: None is not a scale of 1 (a beta of 0) here."""
 
     def __init__(self, names, *, family="arrays", dtype_rule="graph", ranks=(2, 8),
-                 data_format=True, scale_required=False):
+                 data_format=True, scale_required=False, beta_required=False):
         cdef int role
         memset(&self.rules, 0, sizeof(Rules))
         self.rules.family = FAMILY_DIRECTML if family == "directml" else FAMILY_ARRAYS
         self.rules.dtype_rule = RULE_SAME if dtype_rule == "same" else RULE_GRAPH
         self.rules.min_rank, self.rules.max_rank = ranks
-        out_index = {"dx": 0, "dscale": 1, "dbias": 2}
         for key, name in names.items():
             role = ROLES[key]
             copy_name(self.rules.names[role], name, NAME_CAP)
-            if self.rules.family == FAMILY_ARRAYS and key in out_index:
-                label = f"out[{out_index[key]}] ({name})"
+            if self.rules.family == FAMILY_ARRAYS and key in OUT_INDEX:
+                label = f"out[{OUT_INDEX[key]}] ({name})"
             else:
                 label = name
             copy_name(self.rules.labels[role], label, NAME_CAP + 16)
         copy_name(self.rules.names[NAME_EPSILON], "epsilon", NAME_CAP)
         copy_name(self.rules.names[NAME_DATA_FORMAT], "data_format" if data_format else "",
                    NAME_CAP)
+        copy_name(self.rules.names[NAME_MOMENTUM], "momentum", NAME_CAP)
         self.rules.scale_required = scale_required
+        self.rules.beta_required = beta_required
         if "partial" not in names:
             copy_name(self.rules.names[S_PARTIAL], "partial", NAME_CAP)
 

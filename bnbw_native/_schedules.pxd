@@ -27,4 +27,5 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
 # What schedule_choose assumes of the machine (read at import; tests may set them)
 cdef int64_t cache_l2_bytes, cache_l3_bytes, cache_l3_sharers
 cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr,
-                 int op, double eps, double count, double *sums_io) noexcept nogil
+                 int op, double eps, double momentum, double count,
+                 double *sums_io) noexcept nogil

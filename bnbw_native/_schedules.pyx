@@ -33,14 +33,15 @@ same places on every schedule, so that where a kernel call starts never changes 
 """
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memmove
 from cython.parallel cimport prange
 
 from bnbw_native._vocabulary cimport (
     Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, DT_F32, DT_BF16, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING, OP_DX,
     OP_PARAMS, OP_RETURN_SUMS, OP_EXACT_SUMS, SERIAL_BELOW, itemsize, imin, chan_origin,
-    row_origin, load_stat, store_stat, coefficients, bnbw_io, bnbw_run, bnbw_kernel_table,
+    S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_FORWARD, OP_RELU, row_origin, load_stat, store_stat,
+    coefficients, forward_coefficients, forward_recentre, bnbw_io, bnbw_run, bnbw_kernel_table,
     BNBW_NO_MASK, BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD)
 
 cdef enum:
@@ -118,7 +119,8 @@ cdef int _sum_mode(const Plan *p, int op) noexcept nogil:
     cheapest.  A block must span the same terms on every schedule: channel-major rows are cut
     alike everywhere (row_span), and channel-last calls hold whole blocks - except rows that do
     not share one stride, which go to the kernels one at a time and so keep f64 terms."""
-    if op & OP_EXACT_SUMS or p.big_dtype == DT_F32 or (p.channel_last and p.n_outer > 1):
+    if (op & (OP_EXACT_SUMS | OP_FORWARD) or p.big_dtype == DT_F32
+            or (p.channel_last and p.n_outer > 1)):
         return BNBW_EXACT_SUMS
     return BNBW_BLOCKS_EVEN_ODD if p.big_dtype == DT_BF16 else BNBW_BLOCKS
 
@@ -225,17 +227,19 @@ ctypedef struct Work:
     char *mask            # NULL: no ReLU mask
     char *dres            # NULL: no residual gradient to write
     char **ptr            # every slot (statistics read by the fused coefficients)
-    float *mean           # [C] gathered statistics and coefficients, f32
-    float *k1
+    float *mean           # [C] f32: the mean; the forward's shift, then fl32(mean)
+    float *k1             # [C] f32 coefficients (the forward: k in k1, b in k3)
     float *k2
     float *k3
+    unsigned char *again  # [C] the forward: channels whose sums are taken again
     int op
     int what              # this pass: OP_REDUCE and/or OP_DX
+    int relu              # the forward's y through a ReLU
     double eps
     double count
     double *sums          # [C][2] channel sums
-    double *dscale
-    double *dbias
+    double *dscale        # [C] f64: dscale; the forward's batch mean
+    double *dbias         # [C] f64: dbias; the forward's batch variance
     double *partial       # block sums (NULL when the pass keeps none)
 
 ctypedef void (*ItemFn)(const Work *w, int64_t i) noexcept nogil
@@ -315,11 +319,16 @@ cdef void row_span(const Work *w, int64_t c, const int64_t *off, int64_t col, in
             at[t] = chan_origin(p, t, c) + off[t] + col * p.inner_stride[t]
         io_at(w, &io, at, what)
         if what & OP_REDUCE:
-            w.k.reduce_row(&io, n, mean, part, w.s.sums)
+            if w.op & OP_FORWARD:
+                w.k.stats_row(&io, n, mean, part)
+            else:
+                w.k.reduce_row(&io, n, mean, part, w.s.sums)
             sums[0] += part[0]
             sums[1] += part[1]
         if what & OP_DX:
-            if w.op & OP_TRAINING:
+            if w.op & OP_FORWARD:
+                w.k.normalize_row(&io, n, mean, w.k1[c], w.k3[c], w.relu)
+            elif w.op & OP_TRAINING:
                 w.k.apply_row(&io, n, mean, w.k1[c], w.k2[c], w.k3[c])
             else:
                 w.k.scale_row(&io, n, w.k1[c])
@@ -412,9 +421,14 @@ cdef inline void row_run(const Work *w, const int64_t *off, int64_t c_lo, int64_
     run.dx = p.chan_stride[S_DX]
     run.dres = p.chan_stride[S_DRES]
     if what & OP_REDUCE:
-        w.k.reduce_row_run(&io, &run, L, w.mean + c_lo, sums, 2, w.s.sums)
+        if w.op & OP_FORWARD:
+            w.k.stats_row_run(&io, &run, L, w.mean + c_lo, sums, 2)
+        else:
+            w.k.reduce_row_run(&io, &run, L, w.mean + c_lo, sums, 2, w.s.sums)
     if what & OP_DX:
-        if w.op & OP_TRAINING:
+        if w.op & OP_FORWARD:
+            w.k.normalize_row_run(&io, &run, L, w.mean + c_lo, w.k1 + c_lo, w.k3 + c_lo, w.relu)
+        elif w.op & OP_TRAINING:
             w.k.apply_row_run(&io, &run, L, w.mean + c_lo, w.k1 + c_lo, w.k2 + c_lo,
                               w.k3 + c_lo)
         else:
@@ -450,10 +464,16 @@ cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *s
             off[t] += c0 * p.inner_stride[t]
         io_at(w, &io, off, what)
         if what & OP_REDUCE:
-            w.k.reduce_rows(&io, nr, width, w.mean + c0, sum_g + c0, sum_xg + c0,
-                            w.s.streaming, w.s.sums)
+            if w.op & OP_FORWARD:
+                w.k.stats_rows(&io, nr, width, w.mean + c0, sum_g + c0, sum_xg + c0,
+                               w.s.streaming)
+            else:
+                w.k.reduce_rows(&io, nr, width, w.mean + c0, sum_g + c0, sum_xg + c0,
+                                w.s.streaming, w.s.sums)
         if what & OP_DX:
-            if w.op & OP_TRAINING:
+            if w.op & OP_FORWARD:
+                w.k.normalize_rows(&io, nr, width, w.mean + c0, w.k1 + c0, w.k3 + c0, w.relu)
+            elif w.op & OP_TRAINING:
                 w.k.apply_rows(&io, nr, width, w.mean + c0, w.k1 + c0, w.k2 + c0, w.k3 + c0)
             else:
                 w.k.scale_rows(&io, nr, width, w.k1 + c0)
@@ -509,23 +529,42 @@ cdef void _combine(const Work *w, int64_t c) noexcept nogil:
     w.sums[2 * c + 1] = acc_xg
 
 
+cdef inline float _stat(const Work *w, int slot, int64_t c, float absent) noexcept nogil:
+    """Channel c's value of a per-channel slot, or `absent` when the call has none."""
+    if w.ptr[slot] == NULL:
+        return absent
+    return load_stat(w.ptr[slot], w.p.stat_dtype, chan_origin(w.p, slot, c))
+
+
 cdef void _channel_coefficients(const Work *w, int64_t c) noexcept nogil:
-    cdef const Plan *p = w.p
-    cdef float var = load_stat(w.ptr[S_VAR], p.stat_dtype, chan_origin(p, S_VAR, c))
-    cdef float scale = 1.0
-    if w.ptr[S_SCALE] != NULL:
-        scale = load_stat(w.ptr[S_SCALE], p.stat_dtype, chan_origin(p, S_SCALE, c))
-    coefficients(w.op, w.sums[2 * c], w.sums[2 * c + 1], w.count, var, scale, w.eps,
-                 &w.k1[c], &w.k2[c], &w.k3[c], &w.dscale[c], &w.dbias[c])
+    if w.op & OP_FORWARD:
+        forward_coefficients(w.mean[c], w.sums[2 * c], w.sums[2 * c + 1], w.count,
+                             _stat(w, S_SCALE, c, 1.0), _stat(w, S_BETA, c, 0.0), w.eps,
+                             &w.mean[c], &w.k1[c], &w.k3[c], &w.dscale[c], &w.dbias[c])
+        return
+    coefficients(w.op, w.sums[2 * c], w.sums[2 * c + 1], w.count, _stat(w, S_VAR, c, 1.0),
+                 _stat(w, S_SCALE, c, 1.0), w.eps, &w.k1[c], &w.k2[c], &w.k3[c],
+                 &w.dscale[c], &w.dbias[c])
+
+
+cdef inline bint _settled(const Work *w, int64_t c) noexcept nogil:
+    """Whether channel c's sums are final: the backward's always are; the forward's are unless
+    they cancel too much around the shift, which then moves to fl32(mean) for one more pass."""
+    if not (w.op & OP_FORWARD):
+        return True
+    return not forward_recentre(w.mean[c], w.sums[2 * c], w.sums[2 * c + 1], w.count,
+                                &w.mean[c])
 
 
 cdef void _combine_item(const Work *w, int64_t i) noexcept nogil:
     """Channels [i, i + 1) * COMBINE_CHUNK: sums combined, and their coefficients unless the
-    call only returns sums."""
+    call only returns sums (or the channel's forward sums are taken again)."""
     cdef int64_t c
     for c in range(i * COMBINE_CHUNK, imin(w.p.channels, (i + 1) * COMBINE_CHUNK)):
         _combine(w, c)
-        if w.op & (OP_DX | OP_PARAMS):
+        if not _settled(w, c):
+            w.again[c] = True
+        elif w.op & (OP_DX | OP_PARAMS):
             _channel_coefficients(w, c)
 
 
@@ -536,10 +575,18 @@ cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
     cdef int64_t b, c
     cdef int64_t c_lo = g * w.s.group
     cdef int64_t c_hi = imin(p.channels, c_lo + w.s.group)
+    cdef bint again = False
     for b in range(p.nblocks):
         sweep_block(w, b, c_lo, c_hi, OP_REDUCE)
     for c in range(c_lo, c_hi):
         _combine(w, c)
+        again = not _settled(w, c) or again
+    if again:          # settled channels sum the same terms again: the same bits
+        for b in range(p.nblocks):
+            sweep_block(w, b, c_lo, c_hi, OP_REDUCE)
+        for c in range(c_lo, c_hi):
+            _combine(w, c)
+    for c in range(c_lo, c_hi):
         _channel_coefficients(w, c)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
         sweep_block(w, b, c_lo, c_hi, OP_DX)
@@ -550,13 +597,19 @@ cdef void _fused_channel_item(const Work *w, int64_t c) noexcept nogil:
     cdef const Plan *p = w.p
     cdef int64_t b
     cdef double part[2]
-    cdef double acc_g = 0.0, acc_xg = 0.0
-    for b in range(p.nblocks):
-        major_block(w, c, b, OP_REDUCE, part)
-        acc_g = acc_g + part[0]
-        acc_xg = acc_xg + part[1]
-    w.sums[2 * c] = acc_g
-    w.sums[2 * c + 1] = acc_xg
+    cdef double acc_g, acc_xg
+    cdef int passes
+    for passes in range(2):          # a second one only for forward sums taken again
+        acc_g = 0.0
+        acc_xg = 0.0
+        for b in range(p.nblocks):
+            major_block(w, c, b, OP_REDUCE, part)
+            acc_g = acc_g + part[0]
+            acc_xg = acc_xg + part[1]
+        w.sums[2 * c] = acc_g
+        w.sums[2 * c + 1] = acc_xg
+        if passes == 1 or _settled(w, c):
+            break
     _channel_coefficients(w, c)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
         major_block(w, c, b, OP_DX, NULL)
@@ -585,10 +638,12 @@ cdef void _pass(Work *w, int what) noexcept nogil:
 # ---------------------------------------------------------------------------------------
 
 cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr,
-                 int op, double eps, double count, double *sums_io) noexcept nogil:
+                 int op, double eps, double momentum, double count,
+                 double *sums_io) noexcept nogil:
     """Carry out schedule `s` of plan `p` with the kernels `k` on the operands ptr[N_SLOTS]
-    (NULL scale means 1, NULL mask means no ReLU mask).  `count` is M of the formula (the global
-    count in two-phase use).  Returns 0, or -1 when out of memory (nothing written then)."""
+    (NULL scale means 1, NULL beta 0, NULL mask no ReLU mask).  `count` is M of the formula (the
+    global count in two-phase use); `momentum` weighs the forward's old running statistics.
+    Returns 0, or -1 when out of memory (nothing written then)."""
     cdef char *slots[N_SLOTS]
     cdef char *temp[N_BIG]
     cdef int t, rc = 0
@@ -606,7 +661,7 @@ cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, c
                 _copy_strided(p.ndim, p.sizes, ptr[t], p.given_strides[t], slots[t],
                               p.temp_strides[t], itemsize(p.mask_dtype))
     if rc == 0:
-        rc = _run(p, s, k, slots, op, eps, count, sums_io)
+        rc = _run(p, s, k, slots, op, eps, momentum, count, sums_io)
     for t in range(N_BIG):
         if temp[t] != NULL:
             if rc == 0 and t != S_MASK:
@@ -647,7 +702,7 @@ cdef void _copy_strided(int ndim, const int64_t *sizes, const char *src,
 
 
 cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr, int op,
-              double eps, double count, double *sums_io) noexcept nogil:
+              double eps, double momentum, double count, double *sums_io) noexcept nogil:
     """execute() on operands laid out as the plan visits them."""
     cdef int64_t C = p.channels, c
     cdef Work w
@@ -655,16 +710,24 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     cdef double *sums = NULL
     cdef bint need_sums = op & OP_REDUCE
     cdef bint want_coef = (op & (OP_DX | OP_PARAMS)) != 0     # a reduce-only call needs none
+    cdef bint again = False
     cdef int first
     cdef double *partial_memory = NULL
     if C == 0:
         return 0
     stats = <float *> malloc(4 * C * sizeof(float))
     sums = <double *> calloc(4 * C, sizeof(double))
+    w.again = <unsigned char *> calloc(C, 1)
     w.partial = NULL
-    if stats == NULL or sums == NULL:
+    if s.kind != SCHED_NOTHING and s.partial_doubles:
+        partial_memory = <double *> calloc(s.partial_doubles + 8, sizeof(double))
+        w.partial = <double *> ((<size_t> partial_memory + 63) & ~(<size_t> 63))
+    if (stats == NULL or sums == NULL or w.again == NULL
+            or (s.kind != SCHED_NOTHING and s.partial_doubles and partial_memory == NULL)):
         free(stats)
         free(sums)
+        free(w.again)
+        free(partial_memory)
         return -1
     w.p = p
     w.s = s
@@ -680,13 +743,17 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     w.k2 = stats + 2 * C
     w.k3 = stats + 3 * C
     w.op = op
+    w.relu = (op & OP_RELU) != 0
     w.eps = eps
     w.count = count
     w.sums = sums
     w.dscale = sums + 2 * C
     w.dbias = sums + 3 * C
     for c in range(C):
-        w.mean[c] = load_stat(ptr[S_MEAN], p.stat_dtype, chan_origin(p, S_MEAN, c))
+        if op & OP_FORWARD:
+            w.mean[c] = _first_shift(p, ptr, c)
+        else:
+            w.mean[c] = load_stat(ptr[S_MEAN], p.stat_dtype, chan_origin(p, S_MEAN, c))
     if op & OP_GIVEN_SUMS:
         memcpy(sums, sums_io, 2 * C * sizeof(double))
     if want_coef and (not (op & OP_TRAINING) or not need_sums):
@@ -694,13 +761,6 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
         for c in range(C):
             _channel_coefficients(&w, c)
 
-    if s.kind != SCHED_NOTHING and s.partial_doubles:
-        partial_memory = <double *> calloc(s.partial_doubles + 8, sizeof(double))
-        w.partial = <double *> ((<size_t> partial_memory + 63) & ~(<size_t> 63))
-        if partial_memory == NULL:
-            free(stats)
-            free(sums)
-            return -1
     if s.kind == SCHED_MAJOR_SWEEP_FUSED:
         run_items(&w, _fused_group_item, s.items)
     elif s.kind == SCHED_MAJOR_CHANNEL_FUSED:
@@ -718,9 +778,17 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
                 run_items(&w, _combine_item, (C + COMBINE_CHUNK - 1) // COMBINE_CHUNK)
             else:
                 _nthreads_one_combine(&w)
+            for c in range(C):
+                again = again or w.again[c]
+            if again:      # forward sums taken again; settled channels sum the same terms
+                _pass(&w, OP_REDUCE)
+                for c in range(C):
+                    if w.again[c]:
+                        _combine(&w, c)
+                        _channel_coefficients(&w, c)
         if op & OP_DX and op & OP_TRAINING:
             _pass(&w, OP_DX)
-    elif want_coef and op & OP_TRAINING and need_sums:
+    elif want_coef and op & OP_TRAINING and need_sums and not (op & OP_FORWARD):
         for c in range(C):         # nothing to read (M = 0): the coefficients of empty sums
             _channel_coefficients(&w, c)
 
@@ -730,7 +798,43 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
         for c in range(C):
             store_stat(ptr[S_DSCALE], p.stat_dtype, chan_origin(p, S_DSCALE, c), w.dscale[c])
             store_stat(ptr[S_DBIAS], p.stat_dtype, chan_origin(p, S_DBIAS, c), w.dbias[c])
+    if op & OP_FORWARD:
+        for c in range(C):
+            _store_forward_statistics(&w, c, momentum)
     free(partial_memory)
     free(stats)
     free(sums)
+    free(w.again)
     return 0
+
+
+cdef float _first_shift(const Plan *p, char **ptr, int64_t c) noexcept nogil:
+    """Where the forward sums channel c's terms around first: its element at index 0 of every
+    reduced dim, a value of the batch (or 0 when it is not finite, or there is none)."""
+    cdef float v
+    if p.count == 0:
+        return 0.0
+    v = load_stat(ptr[S_X], p.big_dtype, chan_origin(p, S_X, c))
+    return v if v - v == 0 else 0.0
+
+
+cdef void _store_forward_statistics(const Work *w, int64_t c, double momentum) noexcept nogil:
+    """The batch mean and variance, and the running ones: momentum * old + (1 - momentum) *
+    batch in f64, each rounded once.  An empty batch (M = 0) leaves the running statistics
+    as they were and has zero batch statistics."""
+    cdef const Plan *p = w.p
+    cdef int s, old
+    cdef double batch
+    cdef int64_t isz = itemsize(p.stat_dtype)
+    for s in range(2):
+        batch = (w.dscale if s == 0 else w.dbias)[c] if p.count > 0 else 0.0
+        store_stat(w.ptr[S_BATCH_MEAN + s], p.stat_dtype, chan_origin(p, S_BATCH_MEAN + s, c),
+                   batch)
+        old = S_MEAN + s
+        if p.count > 0:
+            store_stat(w.ptr[S_RUN_MEAN + s], p.stat_dtype, chan_origin(p, S_RUN_MEAN + s, c),
+                       momentum * load_stat(w.ptr[old], p.stat_dtype, chan_origin(p, old, c))
+                       + (1.0 - momentum) * batch)
+        else:
+            memmove(w.ptr[S_RUN_MEAN + s] + chan_origin(p, S_RUN_MEAN + s, c),
+                    w.ptr[old] + chan_origin(p, old, c), isz)

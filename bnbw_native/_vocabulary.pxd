@@ -79,6 +79,19 @@ cdef extern from "bnbw_kernels.h" nogil:
                               const float *k3) noexcept nogil
         void (*scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
                               const float *k1) noexcept nogil
+        void (*stats_row)(const bnbw_io *io, int64_t n, float shift, double *out) noexcept nogil
+        void (*normalize_row)(const bnbw_io *io, int64_t n, float mean, float k, float b,
+                              int relu) noexcept nogil
+        void (*stats_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
+                           double *sum, double *sum_sq, int streaming) noexcept nogil
+        void (*normalize_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                               const float *k, const float *b, int relu) noexcept nogil
+        void (*stats_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                              const float *shift, double *sums,
+                              int64_t sums_step) noexcept nogil
+        void (*normalize_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                  const float *mean, const float *k, const float *b,
+                                  int relu) noexcept nogil
     int bnbw_cpu_body()
     int bnbw_body()
     void bnbw_set_body_cap(int cap)
@@ -191,24 +204,28 @@ cdef enum:  # DType
     DT_BOOL = 3          # a ReLU mask
     DT_F64 = 4           # the two-phase sums only
 
-# Slots.  The big tensors (the shape of x) come first, then the per-channel ones; S_BETA and
-# S_PARTIAL are arguments that validation checks and the backward never reads.
+# Slots.  The big tensors (the shape of x) come first, then the per-channel ones; S_PARTIAL is
+# an argument that validation checks and the engine never reads.
 cdef enum:  # Slot
-    S_X = 0
-    S_DY = 1
-    S_DX = 2             # the big output: dx
+    S_X = 0              # x (the forward's src)
+    S_DY = 1             # dy (the forward plans with x here: it reads x only)
+    S_DX = 2             # the big output: dx, or the forward's y
     S_MASK = 3           # the forward's ReLU output, or its bool mask
     S_DRES = 4           # the gradient of the residual (the masked dy), an output
-    S_MEAN = 5
-    S_VAR = 6
+    S_MEAN = 5           # the mean (the forward: the old running mean)
+    S_VAR = 6            # the variance (the forward: the old running variance)
     S_SCALE = 7
-    S_DSCALE = 8
-    S_DBIAS = 9
-    S_BETA = 10          # nGraph's beta: validated only
-    S_PARTIAL = 11       # the two-phase sums given to backward_apply, copied in
+    S_BETA = 8           # the forward's shift (nGraph's backward: validated only)
+    S_DSCALE = 9
+    S_DBIAS = 10
+    S_RUN_MEAN = 11      # the forward's outputs
+    S_RUN_VAR = 12
+    S_BATCH_MEAN = 13
+    S_BATCH_VAR = 14
+    S_PARTIAL = 15       # the two-phase sums given to backward_apply, copied in
     N_BIG = 5
-    N_SLOTS = 10         # the slots the engine reads or writes
-    N_ROLES = 12         # every slot validation knows
+    N_SLOTS = 15         # the slots the engine reads or writes
+    N_ROLES = 16         # every slot validation knows
 
 # What a call does (flags), and what one pass of a schedule does (a subset: OP_REDUCE and/or
 # OP_DX, with OP_TRAINING choosing the training dx over the frozen one).
@@ -220,6 +237,8 @@ cdef enum:  # Op
     OP_PARAMS = 16       # dscale, dbias
     OP_RETURN_SUMS = 32  # copy the sums out (two-phase reduce)
     OP_EXACT_SUMS = 64   # every term in f64, halves too (no f32 blocks)
+    OP_FORWARD = 128     # the training forward: Sum (x - shift), Sum (x - shift)^2, then y
+    OP_RELU = 256        # the forward's y through a ReLU
 
 # The public formulas, as the front-ends ask for them.
 cdef enum:  # Formula
@@ -228,6 +247,8 @@ cdef enum:  # Formula
     DO_FROZEN = OP_REDUCE | OP_DX | OP_PARAMS    # DirectML's BatchNormalizationGrad
     DO_REDUCE = OP_REDUCE | OP_RETURN_SUMS       # the two-phase sums
     DO_APPLY = OP_GIVEN_SUMS | OP_TRAINING | OP_DX | OP_PARAMS   # the two-phase apply
+    # y and the statistics (OP_TRAINING: like the training dx, y needs the sums first)
+    DO_FORWARD = OP_FORWARD | OP_REDUCE | OP_TRAINING | OP_DX
 
 # Elements below which threads cost more than they bring: such calls run on the calling thread.
 cdef enum:
@@ -368,3 +389,39 @@ cdef inline void coefficients(int op, double sum_g, double sum_xg, double count,
     else:
         k2[0] = 0.0
         k3[0] = 0.0
+
+
+# A channel whose mean lies more than sqrt(RECENTRE) standard deviations from its shift would
+# lose log2(RECENTRE) of f64's bits to cancellation in Sum d^2 - (Sum d)^2 / M: its sums are
+# taken again around fl32(mean) (forward_recentre).  A decision from the channel's own sums.
+cdef enum:
+    RECENTRE = 4096
+
+
+cdef inline bint forward_recentre(float shift, double s1, double s2, double count,
+                                  float *new_shift) noexcept nogil:
+    """Whether a channel's forward sums around `shift` must be taken again around *new_shift."""
+    cdef double off = s1 / count
+    cdef float to = <float> (shift + off)
+    if not (off * off > RECENTRE * ((s2 - s1 * off) / count)) or to == shift:
+        return False          # (NaN and inf sums: never; there is nothing to recover)
+    new_shift[0] = to
+    return True
+
+
+cdef inline void forward_coefficients(float shift, double s1, double s2, double count,
+                                      float scale, float beta, double eps, float *mean_hi,
+                                      float *k, float *b, double *mean,
+                                      double *var) noexcept nogil:
+    """The only place where the forward's formulas meet its sums (d = x - shift):
+        mean = shift + Sum d / M,  var = (Sum d^2 - (Sum d)^2 / M) / M  (biased, >= 0),
+        r = 1/sqrt(var + eps),  y = k*(x - mean_hi) + b  with  k = fl32(scale*r),
+        mean_hi = fl32(mean),  b = fl32(beta - k*(mean - mean_hi)):
+    the mean's low bits, which x - mean_hi cannot see, go into b."""
+    cdef double off = s1 / count
+    cdef double m2 = s2 - s1 * off
+    mean[0] = shift + off
+    var[0] = (0.0 if m2 < 0 else m2) / count
+    k[0] = <float> (scale * (1.0 / sqrt(var[0] + eps)))
+    mean_hi[0] = <float> mean[0]
+    b[0] = <float> (beta - <double> k[0] * (mean[0] - <double> mean_hi[0]))

@@ -6,7 +6,8 @@ from ._rules import Convention
 NGRAPH = Convention(dict(x="input", dy="normalized_delta", mean="mean", var="variance",
                          scale="gamma", beta="beta", dx="input_delta", dscale="gamma_delta",
                          dbias="beta_delta"),
-                    dtype_rule="same", data_format=False, scale_required=True)
+                    dtype_rule="same", data_format=False, scale_required=True,
+                    beta_required=True)
 
 
 def batch_norm_training_backprop(input, gamma, beta, mean, variance, normalized_delta, *,

@@ -1,4 +1,4 @@
-"""Float64 NumPy reference for the batch-normalization training backward.
+"""Float64 NumPy reference for batch-normalization training: the backward and the forward.
 
 This module is the slow, obviously correct twin of the native kernels: tests compare against it
 and benchmarks time against it.  Everything is computed in float64 from inputs converted exactly
@@ -16,13 +16,21 @@ gamma = scale (1 where absent)::
 ``eps`` is used as the float32 value nearest to ``epsilon``, because the native operators take it
 as f32.  M = 0 (an empty batch) gives an empty dx and zero dscale, dbias.
 
+The training forward (oneDNN Graph's convention: momentum m weighs the old running statistics)::
+
+    mu = sum(x) / M,  sigma^2 = sum((x - mu)^2) / M,  r = 1 / sqrt(sigma^2 + eps)
+    y = gamma * r * (x - mu) + beta                 # max(y, 0) with the ReLU, NaN kept
+    running_mean = m * mean + (1 - m) * mu,  running_variance = m * variance + (1 - m) * sigma^2
+
+with m the float32 value nearest to ``momentum``.
+
 Validation is minimal on purpose: this is a reference, not a front-end.
 """
 import math
 
 import numpy as np
 
-__all__ = ["backward", "batchnorm_training_backward"]
+__all__ = ["backward", "batchnorm_training_backward", "batchnorm_training_forward", "forward"]
 
 _FORMULAS = ("training", "frozen")
 
@@ -113,3 +121,54 @@ def batchnorm_training_backward(src, diff_dst, mean, variance, gamma=None, *, ep
     dx, dgamma, dbeta = backward(src, diff_dst, as_stats(mean), as_stats(variance),
                                  as_stats(gamma), epsilon=epsilon, reduce_axes=reduce_axes)
     return dx, dgamma.reshape(-1), dbeta.reshape(-1)
+
+
+def forward(x, mean, variance, scale=None, bias=None, *, epsilon, momentum, reduce_axes,
+            relu=False):
+    """Batch-norm training forward in float64; returns ``(y, running_mean, running_variance,
+    batch_mean, batch_variance)``, the statistics in the keepdims shape of ``mean`` (which, like
+    ``variance``, ``scale`` and ``bias``, has size 1 on every axis of ``reduce_axes``).
+    ``scale=None`` means 1, ``bias=None`` 0.  M = 0 gives an empty y, zero batch statistics and
+    the running statistics unchanged."""
+    x = _to_float64(x, "x")
+    axes = tuple(sorted({int(a) % x.ndim for a in reduce_axes}))
+    old_mean = _stats_to_float64(mean, "mean", x.ndim, axes)
+    old_var = _stats_to_float64(variance, "variance", x.ndim, axes)
+    gamma = 1.0 if scale is None else _stats_to_float64(scale, "scale", x.ndim, axes)
+    beta = 0.0 if bias is None else _stats_to_float64(bias, "bias", x.ndim, axes)
+    m = float(np.float32(momentum))
+    if math.prod(x.shape[i] for i in axes) == 0:
+        zero = np.zeros(old_mean.shape)
+        return np.zeros(x.shape), old_mean, old_var, zero, zero
+    with np.errstate(invalid="ignore", over="ignore"):
+        mu = x.mean(axis=axes, keepdims=True)
+        var = ((x - mu) ** 2).mean(axis=axes, keepdims=True)
+        y = gamma / np.sqrt(var + float(np.float32(epsilon))) * (x - mu) + beta
+        if relu:
+            y = np.where(np.isnan(y) | (y > 0), y, 0.0)
+        return y, m * old_mean + (1 - m) * mu, m * old_var + (1 - m) * var, mu, var
+
+
+def batchnorm_training_forward(src, mean, variance, gamma=None, beta=None, *, epsilon,
+                               momentum=0.5, data_format="NXC", fuse_relu=False):
+    """Slow twin of ``bnbw_native.batchnorm_training_forward`` (oneDNN Graph).
+
+    Returns ``(dst, running_mean, running_variance, batch_mean, batch_variance)`` in float64,
+    the statistics 1-D of length C; the channel axis is 1 for ``"NCX"`` and the last for
+    ``"NXC"``."""
+    if data_format not in ("NXC", "NCX"):
+        raise ValueError(f"data_format: expected 'NXC' or 'NCX', got {data_format!r}")
+    src = np.asarray(src)
+    if src.ndim < 2:
+        raise ValueError(f"src: expected rank 2 to 8, got rank {src.ndim}")
+    channel_axis = 1 if data_format == "NCX" else src.ndim - 1
+    reduce_axes = tuple(i for i in range(src.ndim) if i != channel_axis)
+    stats_shape = tuple(n if i == channel_axis else 1 for i, n in enumerate(src.shape))
+
+    def as_stats(a):
+        return None if a is None else np.asarray(a).reshape(stats_shape)
+
+    y, *stats = forward(src, as_stats(mean), as_stats(variance), as_stats(gamma),
+                        as_stats(beta), epsilon=epsilon, momentum=momentum,
+                        reduce_axes=reduce_axes, relu=fuse_relu)
+    return (y, *(s.reshape(-1) for s in stats))

@@ -2,14 +2,25 @@
  * bnbw_kernels.h - the inner loops of the bnbw_native engine: what they compute, and how the
  * engine reaches them.
  *
- * Every hot loop of the package is one of nine kernels; the Cython layer (bnbw_native/_plan.pyx,
- * _schedules.pyx) only plans, partitions and dispatches.  A kernel walks the rows of one call:
+ * Every hot loop of the package is one of fifteen kernels; the Cython layer
+ * (bnbw_native/_plan.pyx, _schedules.pyx) only plans, partitions and dispatches.  A kernel
+ * walks the rows of one call:
  *
  *   channel-major (one channel, n elements of a row)   channel-last (rows of n channels)
+ *   backward
  *   reduce_row   Sum g, Sum (x - mean) * g             reduce_rows
  *   apply_row    dx = k2*(x - mean) + (k1*g + k3)      apply_rows
  *   scale_row    dx = k1*g (frozen statistics)         scale_rows
+ *   forward (training)
+ *   stats_row    Sum d, Sum d*d, d = x - shift         stats_rows
+ *   normalize_row  y = k*(x - mean) + b, ReLU or not   normalize_rows
  *   *_row_run    the row kernels over a run of adjacent channels' short rows, one call
+ *
+ * The forward's terms are exact: d is formed in f64 from the two f32 values, its square is
+ * rounded once and every sum accumulates in f64 lanes, whatever the storage type.  The
+ * normalized output is one fused multiply-add after the f32 subtraction, rounded once more to
+ * its storage type; the ReLU keeps y > 0 and NaN and gives +0 elsewhere.  The forward writes
+ * its output through the `dx` operand and reads only x.
  *
  * g is the gradient the formulas use: dy, or - with a ReLU mask - dy where the forward's output
  * is > 0 (or the bool mask is set) and +0 elsewhere, selected, never multiplied, so an inf or
@@ -111,6 +122,20 @@ typedef struct bnbw_kernel_table {
     void (*apply_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n, const float *mean,
                           const float *k1, const float *k2, const float *k3);
     void (*scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n, const float *k1);
+    /* the forward: out[0] = Sum (x - shift), out[1] = Sum (x - shift)^2 over the row (assigned) */
+    void (*stats_row)(const bnbw_io *io, int64_t n, float shift, double out[2]);
+    /* dx = k*(x - mean) + b, then max(., +0) keeping NaN when relu */
+    void (*normalize_row)(const bnbw_io *io, int64_t n, float mean, float k, float b, int relu);
+    /* sum[c] += Sum_r (x[r][c] - shift[c]), sum_sq[c] += Sum_r (x[r][c] - shift[c])^2 */
+    void (*stats_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
+                       double *sum, double *sum_sq, int streaming);
+    void (*normalize_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                           const float *k, const float *b, int relu);
+    /* as reduce_row_run and apply_row_run */
+    void (*stats_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n, const float *shift,
+                          double *sums, int64_t sums_step);
+    void (*normalize_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                              const float *mean, const float *k, const float *b, int relu);
 } bnbw_kernel_table;
 
 /* The tables, one per translation unit; NULL entries where this build has no such body. */

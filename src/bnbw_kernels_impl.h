@@ -530,6 +530,148 @@ BNBW_INLINE void k_scale_row_run(const bnbw_io *io, const bnbw_run *run, int64_t
     }
 }
 
+/* ---- the forward: batch statistics and the normalized output ------------------------------ */
+
+/* The exact terms of 16 elements around the channel's shift: d = x - shift in f64 (exact for
+ * any two f32 values less than 2^29 apart in exponent), Sum d and Sum d*d in f64, the product
+ * rounded once, then added. */
+#define K__STATS(S, Q, XW, SD) do {                                                          \
+        vd k_d_ = vd_sub(vd_widen(XW), (SD));                                               \
+        S = vd_add(S, k_d_);                                                                \
+        Q = vd_add(Q, vd_mul(k_d_, k_d_));                                                  \
+    } while (0)
+/* ... of the first t < 16 lanes: the others add d = +0 (an exact identity, as above) */
+#define K__STATS_PART(S, Q, XW, SD, T) do {                                                 \
+        vd k_d_ = vd_select(vm_below(T), vd_sub(vd_widen(XW), (SD)), vd_zero());            \
+        S = vd_add(S, k_d_);                                                                \
+        Q = vd_add(Q, vd_mul(k_d_, k_d_));                                                  \
+    } while (0)
+
+BNBW_INLINE void k_stats_row(const bnbw_io *io, int64_t n, float shift, double out[2], int dt,
+                             int contig)
+{
+    const int64_t xs = contig ? 1 : io->x_step;
+    const vd sd = vd_widen(vw_set1(shift));
+    vd S = vd_zero(), Q = vd_zero();
+    int64_t i = 0;
+    for (const int64_t n16 = n - n % 16; i < n16; i += 16)
+        K__STATS(S, Q, vw_load(io->x, i, xs, dt), sd);
+    if (i < n)
+        K__STATS_PART(S, Q, vw_load_part(io->x, i, n - i, xs, dt), sd, n - i);
+    out[0] = vd_fold(S);
+    out[1] = vd_fold(Q);
+}
+
+/* y = k*(x - mean) + b, one fused multiply-add after the subtraction; with the ReLU, lanes
+ * y > 0 and NaN kept, +0 elsewhere. */
+BNBW_INLINE vf k__normalize(vf x, vf m, vf k, vf b, int relu)
+{
+    vf y = vf_fma(k, vf_sub_mp(x, m), b);
+    return relu ? vf_keep(y, vm_relu(y)) : y;
+}
+
+BNBW_INLINE void k_normalize_row(const bnbw_io *io, int64_t n, float mean, float k, float b,
+                                 int dt, int relu, int contig)
+{
+    const int64_t xs = contig ? 1 : io->x_step, ds = contig ? 1 : io->dx_step;
+    const int eo = K__EO(dt, contig);
+    const vf m = vf_set1(mean), kv = vf_set1(k), bv = vf_set1(b);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        v_store(io->dx, i, ds, k__normalize(v_load(io->x, i, xs, dt, eo), m, kv, bv, relu), dt,
+                eo);
+    if (i < n)
+        v_store_part(io->dx, i, n - i, ds,
+                     k__normalize(v_load_part(io->x, i, n - i, xs, dt), m, kv, bv, relu), dt);
+}
+
+/* Channel-last: channel c of every row adds its rows in row order (in groups of rows, as
+ * k_reduce_rows visits them, for the same reasons). */
+BNBW_INLINE void k_stats_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
+                              double *sum, double *sum_sq, int streaming, int dt)
+{
+    const int64_t n16 = n - n % 16, row_bytes = io->x_step * BNBW__ISZ(dt);
+    const int64_t group = streaming && row_bytes >= K__ONE_ROW_FROM && row_bytes <= K__ONE_ROW_TO
+                          ? 1 : K__ROW_GROUP;
+    for (int64_t r = 0; r < rows; r += group) {
+        const int64_t nr = rows - r < group ? rows - r : group;
+        for (int64_t c = 0; c < n16; c += 16) {
+            vd S = vd_loadu(sum + c), Q = vd_loadu(sum_sq + c);
+            const vd sd = vd_widen(vw_loadu(shift + c));
+            for (int64_t j = r; j < r + nr; ++j)
+                K__STATS(S, Q, vw_load(io->x, j * io->x_step + c, 1, dt), sd);
+            vd_storeu(sum + c, S);
+            vd_storeu(sum_sq + c, Q);
+        }
+    }
+    if (n16 < n) {                 /* the last t < 16 channels: sums in registers, all rows */
+        const int64_t t = n - n16;
+        double s[16] = {0}, q[16] = {0};
+        memcpy(s, sum + n16, (size_t)t * sizeof(double));
+        memcpy(q, sum_sq + n16, (size_t)t * sizeof(double));
+        vd S = vd_loadu(s), Q = vd_loadu(q);
+        const vd sd = vd_widen(vw_load_part(shift, n16, t, 1, BNBW_F32));
+        for (int64_t j = 0; j < rows; ++j)
+            K__STATS_PART(S, Q, vw_load_part(io->x, j * io->x_step + n16, t, 1, dt), sd, t);
+        vd_storeu(s, S);
+        vd_storeu(q, Q);
+        memcpy(sum + n16, s, (size_t)t * sizeof(double));
+        memcpy(sum_sq + n16, q, (size_t)t * sizeof(double));
+    }
+}
+
+BNBW_INLINE void k_normalize_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
+                                  const float *k, const float *b, int dt, int relu)
+{
+    float cm[BNBW_SLICE], ck[BNBW_SLICE], cb[BNBW_SLICE];
+    const int eo = K__EO(dt, 1);
+    const int64_t n16 = n - n % 16, slice = eo ? BNBW_SLICE : n16;
+    for (int64_t c0 = 0; c0 < n16; c0 += slice) {     /* one slice unless in lane order */
+        const int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
+        const float *lm = k__lane_order(mean, c0, w, cm, dt);
+        const float *lk = k__lane_order(k, c0, w, ck, dt);
+        const float *lb = k__lane_order(b, c0, w, cb, dt);
+        for (int64_t j = 0; j < rows; ++j)
+            for (int64_t c = 0; c < w; c += 16)
+                v_store(io->dx, j * io->dx_step + c0 + c, 1,
+                        k__normalize(K__LX(j, c0 + c), vf_loadu(lm + c), vf_loadu(lk + c),
+                                     vf_loadu(lb + c), relu),
+                        dt, eo);
+    }
+    if (n16 < n) {                 /* the last t < 16 channels */
+        const int64_t t = n - n16;
+        const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32), kv = v_load_part(k, n16, t, 1, BNBW_F32);
+        const vf bv = v_load_part(b, n16, t, 1, BNBW_F32);
+        for (int64_t j = 0; j < rows; ++j)
+            v_store_part(io->dx, j * io->dx_step + n16, t, 1,
+                         k__normalize(v_load_part(io->x, j * io->x_step + n16, t, 1, dt), mv, kv,
+                                      bv, relu),
+                         dt);
+    }
+}
+
+BNBW_INLINE void k_stats_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                 const float *shift, double *sums, int64_t sums_step, int dt)
+{
+    for (int64_t r = 0; r < run->count; ++r, sums += sums_step) {
+        bnbw_io o = k__run_row(io, run, r);
+        double part[2];
+        k_stats_row(&o, n, shift[r], part, dt, 1);
+        sums[0] += part[0];
+        sums[1] += part[1];
+    }
+}
+
+BNBW_INLINE void k_normalize_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                     const float *mean, const float *k, const float *b, int dt,
+                                     int relu)
+{
+    for (int64_t r = 0; r < run->count; ++r) {
+        bnbw_io o = k__run_row(io, run, r);
+        k_normalize_row(&o, n, mean[r], k[r], b[r], dt, relu, 1);
+    }
+}
+
 /* ---- the table ------------------------------------------------------------------------- */
 
 /* Every kernel is compiled once per storage type and mask type - and, for channel-major rows,
@@ -666,8 +808,132 @@ static void K__NAME(scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64
     k_scale_row_run_variants[k__variant(io)](io, run, n, k1);
 }
 
+
+/* The forward's kernels: a variant per storage type - and per ReLU, and for channel-major rows
+ * per "every operand contiguous" - as above. */
+#define K__FWD_TYPES(X, KERNEL, R, CONTIG, PARAMS, ARGS)                                     \
+    X(KERNEL, f32, BNBW_F32, R, CONTIG, PARAMS, ARGS)                                        \
+    X(KERNEL, f16, BNBW_F16, R, CONTIG, PARAMS, ARGS)                                        \
+    X(KERNEL, bf16, BNBW_BF16, R, CONTIG, PARAMS, ARGS)
+#define K__FWD_DEFINE(KERNEL, TN, T, R, CONTIG, PARAMS, ARGS)                                \
+    static __attribute__((noinline)) void KERNEL##_##TN##_##R##_##CONTIG PARAMS              \
+    {                                                                                        \
+        const bnbw_io io_copy = *io_arg, *const io = &io_copy;                               \
+        const int DT = T, RELU = R, CONTIG_ = CONTIG;                                        \
+        (void)RELU;                                                                          \
+        (void)CONTIG_;                                                                       \
+        KERNEL ARGS;                                                                         \
+        v_leave();                                                                           \
+    }
+#define K__FWD_ENTRY(KERNEL, TN, T, R, CONTIG, PARAMS, ARGS) KERNEL##_##TN##_##R##_##CONTIG,
+
+K__FWD_TYPES(K__FWD_DEFINE, k_stats_row, 0, 0,
+             (const bnbw_io *io_arg, int64_t n, float shift, double *out),
+             (io, n, shift, out, DT, CONTIG_))
+K__FWD_TYPES(K__FWD_DEFINE, k_stats_row, 0, 1,
+             (const bnbw_io *io_arg, int64_t n, float shift, double *out),
+             (io, n, shift, out, DT, CONTIG_))
+static void (*const k_stats_row_variants[2][3])(const bnbw_io *, int64_t, float, double *) = {
+    {K__FWD_TYPES(K__FWD_ENTRY, k_stats_row, 0, 0, , )},
+    {K__FWD_TYPES(K__FWD_ENTRY, k_stats_row, 0, 1, , )}};
+
+#define K__NORMALIZE_ROW_PARAMS                                                              \
+    (const bnbw_io *io_arg, int64_t n, float mean, float k, float b)
+#define K__NORMALIZE_ROW_ARGS (io, n, mean, k, b, DT, RELU, CONTIG_)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 0, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 1, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 0, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 1, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+static void (*const k_normalize_row_variants[2][2][3])(const bnbw_io *, int64_t, float, float,
+                                                        float) = {
+    {{K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 0, 0, , )},
+     {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 1, 0, , )}},
+    {{K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 0, 1, , )},
+     {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 1, 1, , )}}};
+
+K__FWD_TYPES(K__FWD_DEFINE, k_stats_rows, 0, 1,
+             (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *shift, double *sum,
+              double *sum_sq, int streaming),
+             (io, rows, n, shift, sum, sum_sq, streaming, DT))
+static void (*const k_stats_rows_variants[3])(const bnbw_io *, int64_t, int64_t, const float *,
+                                              double *, double *, int) = {
+    K__FWD_TYPES(K__FWD_ENTRY, k_stats_rows, 0, 1, , )};
+
+#define K__NORMALIZE_ROWS_PARAMS                                                             \
+    (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *mean, const float *k,      \
+     const float *b)
+#define K__NORMALIZE_ROWS_ARGS (io, rows, n, mean, k, b, DT, RELU)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_rows, 0, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_rows, 1, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
+static void (*const k_normalize_rows_variants[2][3])(const bnbw_io *, int64_t, int64_t,
+                                                     const float *, const float *,
+                                                     const float *) = {
+    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_rows, 0, 1, , )},
+    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_rows, 1, 1, , )}};
+
+K__FWD_TYPES(K__FWD_DEFINE, k_stats_row_run, 0, 1,
+             (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *shift,
+              double *sums, int64_t sums_step),
+             (io, run, n, shift, sums, sums_step, DT))
+static void (*const k_stats_row_run_variants[3])(const bnbw_io *, const bnbw_run *, int64_t,
+                                                 const float *, double *, int64_t) = {
+    K__FWD_TYPES(K__FWD_ENTRY, k_stats_row_run, 0, 1, , )};
+
+#define K__NORMALIZE_RUN_PARAMS                                                              \
+    (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *mean, const float *k, \
+     const float *b)
+#define K__NORMALIZE_RUN_ARGS (io, run, n, mean, k, b, DT, RELU)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row_run, 0, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
+K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row_run, 1, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
+static void (*const k_normalize_row_run_variants[2][3])(const bnbw_io *, const bnbw_run *,
+                                                        int64_t, const float *, const float *,
+                                                        const float *) = {
+    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row_run, 0, 1, , )},
+    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row_run, 1, 1, , )}};
+
+/* The storage-type index of a forward call. */
+BNBW_INLINE int k__type(const bnbw_io *io) { return io->dt == BNBW_F16 ? 1 : io->dt == BNBW_BF16 ? 2 : 0; }
+
+static void K__NAME(stats_row)(const bnbw_io *io, int64_t n, float shift, double out[2])
+{
+    k_stats_row_variants[k__contiguous(io)][k__type(io)](io, n, shift, out);
+}
+
+static void K__NAME(normalize_row)(const bnbw_io *io, int64_t n, float mean, float k, float b,
+                                   int relu)
+{
+    k_normalize_row_variants[k__contiguous(io)][relu != 0][k__type(io)](io, n, mean, k, b);
+}
+
+static void K__NAME(stats_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
+                                double *sum, double *sum_sq, int streaming)
+{
+    k_stats_rows_variants[k__type(io)](io, rows, n, shift, sum, sum_sq, streaming);
+}
+
+static void K__NAME(normalize_rows)(const bnbw_io *io, int64_t rows, int64_t n,
+                                    const float *mean, const float *k, const float *b, int relu)
+{
+    k_normalize_rows_variants[relu != 0][k__type(io)](io, rows, n, mean, k, b);
+}
+
+static void K__NAME(stats_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                   const float *shift, double *sums, int64_t sums_step)
+{
+    k_stats_row_run_variants[k__type(io)](io, run, n, shift, sums, sums_step);
+}
+
+static void K__NAME(normalize_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
+                                       const float *mean, const float *k, const float *b,
+                                       int relu)
+{
+    k_normalize_row_run_variants[relu != 0][k__type(io)](io, run, n, mean, k, b);
+}
+
 #define K__TABLE_ENTRIES {                                                                  \
         K__NAME(reduce_row), K__NAME(apply_row), K__NAME(scale_row),                        \
         K__NAME(reduce_rows), K__NAME(apply_rows), K__NAME(scale_rows),                     \
         K__NAME(reduce_row_run), K__NAME(apply_row_run), K__NAME(scale_row_run),            \
+        K__NAME(stats_row), K__NAME(normalize_row), K__NAME(stats_rows),                    \
+        K__NAME(normalize_rows), K__NAME(stats_row_run), K__NAME(normalize_row_run),        \
     }

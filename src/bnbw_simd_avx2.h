@@ -84,6 +84,13 @@ BNBW_INLINE vm vm_finite2(vf a, vf b)
     return r;
 }
 BNBW_INLINE int vm_all(vm m) { return _mm256_movemask_ps(_mm256_and_ps(m.lo, m.hi)) == 0xff; }
+/* a > 0 or unordered: not (a <= 0), quiet */
+BNBW_INLINE vm vm_relu(vf a)
+{
+    vm r = {_mm256_cmp_ps(a.lo, _mm256_setzero_ps(), _CMP_NLE_UQ),
+            _mm256_cmp_ps(a.hi, _mm256_setzero_ps(), _CMP_NLE_UQ)};
+    return r;
+}
 
 BNBW_INLINE vd v__vd(__m256d a, __m256d b, __m256d c, __m256d d) { vd r = {a, b, c, d}; return r; }
 BNBW_INLINE vd vd_zero(void)
@@ -127,6 +134,21 @@ BNBW_INLINE vd vd_select(vm m, vd a, vd b)
                  _mm256_blendv_pd(b.b, a.b, V__MASK_HI(m.lo)),
                  _mm256_blendv_pd(b.c, a.c, V__MASK_LO(m.hi)),
                  _mm256_blendv_pd(b.d, a.d, V__MASK_HI(m.hi)));
+}
+BNBW_INLINE vd vd_add(vd x, vd y)
+{
+    return v__vd(_mm256_add_pd(x.a, y.a), _mm256_add_pd(x.b, y.b), _mm256_add_pd(x.c, y.c),
+                 _mm256_add_pd(x.d, y.d));
+}
+BNBW_INLINE vd vd_sub(vd x, vd y)
+{
+    return v__vd(_mm256_sub_pd(x.a, y.a), _mm256_sub_pd(x.b, y.b), _mm256_sub_pd(x.c, y.c),
+                 _mm256_sub_pd(x.d, y.d));
+}
+BNBW_INLINE vd vd_mul(vd x, vd y)
+{
+    return v__vd(_mm256_mul_pd(x.a, y.a), _mm256_mul_pd(x.b, y.b), _mm256_mul_pd(x.c, y.c),
+                 _mm256_mul_pd(x.d, y.d));
 }
 BNBW_INLINE double vd_fold(vd a)
 {
@@ -177,6 +199,11 @@ BNBW_INLINE vd vd_fma_w(vd acc, vw a, vw b)
                  _mm256_fmadd_pd(_mm256_cvtps_pd(a.q[1]), _mm256_cvtps_pd(b.q[1]), acc.b),
                  _mm256_fmadd_pd(_mm256_cvtps_pd(a.q[2]), _mm256_cvtps_pd(b.q[2]), acc.c),
                  _mm256_fmadd_pd(_mm256_cvtps_pd(a.q[3]), _mm256_cvtps_pd(b.q[3]), acc.d));
+}
+BNBW_INLINE vd vd_widen(vw a)
+{
+    return v__vd(_mm256_cvtps_pd(a.q[0]), _mm256_cvtps_pd(a.q[1]), _mm256_cvtps_pd(a.q[2]),
+                 _mm256_cvtps_pd(a.q[3]));
 }
 
 /* ---- rows ------------------------------------------------------------------------------ */

@@ -54,6 +54,8 @@ BNBW_INLINE vm vm_finite2(vf a, vf b)
     return (vm)~(_mm512_fpclass_ps_mask(a, 0x99) | _mm512_fpclass_ps_mask(b, 0x99));
 }
 BNBW_INLINE int vm_all(vm m) { return m == 0xffff; }
+/* a > 0 or unordered: not (a <= 0), quiet */
+BNBW_INLINE vm vm_relu(vf a) { return _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NLE_UQ); }
 
 BNBW_INLINE vd v__vd(__m512d lo, __m512d hi) { vd r = {lo, hi}; return r; }
 BNBW_INLINE vd vd_zero(void) { return v__vd(_mm512_setzero_pd(), _mm512_setzero_pd()); }
@@ -76,6 +78,9 @@ BNBW_INLINE vd vd_select(vm m, vd a, vd b)
     return v__vd(_mm512_mask_blend_pd((__mmask8)m, b.lo, a.lo),
                  _mm512_mask_blend_pd((__mmask8)(m >> 8), b.hi, a.hi));
 }
+BNBW_INLINE vd vd_add(vd x, vd y) { return v__vd(_mm512_add_pd(x.lo, y.lo), _mm512_add_pd(x.hi, y.hi)); }
+BNBW_INLINE vd vd_sub(vd x, vd y) { return v__vd(_mm512_sub_pd(x.lo, y.lo), _mm512_sub_pd(x.hi, y.hi)); }
+BNBW_INLINE vd vd_mul(vd x, vd y) { return v__vd(_mm512_mul_pd(x.lo, y.lo), _mm512_mul_pd(x.hi, y.hi)); }
 BNBW_INLINE double vd_fold(vd a)
 {
     __m512d s = _mm512_add_pd(a.lo, a.hi);
@@ -108,6 +113,7 @@ BNBW_INLINE vd vd_fma_w(vd acc, vw a, vw b)
     return v__vd(_mm512_fmadd_pd(_mm512_cvtps_pd(a.lo), _mm512_cvtps_pd(b.lo), acc.lo),
                  _mm512_fmadd_pd(_mm512_cvtps_pd(a.hi), _mm512_cvtps_pd(b.hi), acc.hi));
 }
+BNBW_INLINE vd vd_widen(vw a) { return v__vd(_mm512_cvtps_pd(a.lo), _mm512_cvtps_pd(a.hi)); }
 
 /* ---- rows ------------------------------------------------------------------------------ */
 

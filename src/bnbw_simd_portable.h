@@ -65,6 +65,13 @@ BNBW_INLINE vm vm_finite2(vf a, vf b)
     return r;
 }
 BNBW_INLINE int vm_all(vm m) { int all = 1; BNBW__LANES(l) all &= m.v[l]; return all; }
+/* the lanes a ReLU keeps: a > 0, or a NaN (which it passes on) */
+BNBW_INLINE vm vm_relu(vf a)
+{
+    vm r;
+    BNBW__LANES(l) r.v[l] = a.v[l] > 0.0f || a.v[l] != a.v[l];
+    return r;
+}
 
 BNBW_INLINE vd vd_zero(void) { vd r; BNBW__LANES(l) r.v[l] = 0.0; return r; }
 BNBW_INLINE vd vd_loadu(const double *p) { vd r; memcpy(r.v, p, sizeof r.v); return r; }
@@ -77,6 +84,9 @@ BNBW_INLINE vd vd_fma_f32(vd acc, vf a, vf b)
     return acc;
 }
 BNBW_INLINE vd vd_select(vm m, vd a, vd b) { BNBW__LANES(l) if (!m.v[l]) a.v[l] = b.v[l]; return a; }
+BNBW_INLINE vd vd_add(vd a, vd b) { BNBW__LANES(l) a.v[l] += b.v[l]; return a; }
+BNBW_INLINE vd vd_sub(vd a, vd b) { BNBW__LANES(l) a.v[l] -= b.v[l]; return a; }
+BNBW_INLINE vd vd_mul(vd a, vd b) { BNBW__LANES(l) a.v[l] *= b.v[l]; return a; }
 /* lanes folded pairwise: l += l + 8, l += l + 4, l += l + 2, l += l + 1 */
 BNBW_INLINE double vd_fold(vd a)
 {
@@ -95,6 +105,8 @@ BNBW_INLINE vw vw_keep(vw a, vm m) { return vf_keep(a, m); }
 BNBW_INLINE vw vw_select(vm m, vw a, vw b) { return vf_select(m, a, b); }
 BNBW_INLINE vd vd_add_w(vd acc, vw a) { return vd_add_f32(acc, a); }
 BNBW_INLINE vd vd_fma_w(vd acc, vw a, vw b) { return vd_fma_f32(acc, a, b); }
+/* the lanes of a as f64 (exact) */
+BNBW_INLINE vd vd_widen(vw a) { vd r; BNBW__LANES(l) r.v[l] = (double)a.v[l]; return r; }
 
 /* ---- rows ------------------------------------------------------------------------------ */
 
