@@ -251,3 +251,18 @@ def test_half_training_table_times_every_dtype_and_layout():
     assert set(times) == {(layout, threads, key) for layout in ("NCX", "NXC")
                           for threads in (1, 2) for key in keys}
     assert all(t > 0 for t in times.values())
+
+
+def test_measure_counts_events_per_timed_call():
+    made = {"n": 0}
+
+    def step(by):
+        def call():
+            made["n"] += by
+        return call
+
+    times = timing.measure({"two": step(2), "none": step(0)}, timing.Protocol(fixed_rounds=3),
+                           subjects=("two", "none"), count=lambda: dict(made))
+    assert times["two"]["per_call"] == {"n": 2.0}
+    assert times["none"]["per_call"] == {"n": 0.0}
+    assert timing.measure({"a": step(1)}, ONE_CALL, subjects=("a",))["a"].get("per_call") is None
