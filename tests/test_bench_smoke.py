@@ -26,11 +26,13 @@ import report  # noqa: E402
 import runner  # noqa: E402
 import shapes  # noqa: E402
 import timing  # noqa: E402
+import torch_cache  # noqa: E402
 
 TINY = {"tiny-2d": shapes.SMALL_ODD["tiny-2d"]}
 ODD = {"odd-4d": shapes.SMALL_ODD["odd-4d"]}
 ONE_CALL = timing.Protocol(fixed_rounds=1)
 ONEDNN = onednn_peer.load()
+TORCH_CACHE = torch_cache.load() if peers.torch is not None else None
 quiet = dict(echo=lambda line: None)
 
 
@@ -266,3 +268,26 @@ def test_measure_counts_events_per_timed_call():
     assert times["two"]["per_call"] == {"n": 2.0}
     assert times["none"]["per_call"] == {"n": 0.0}
     assert timing.measure({"a": step(1)}, ONE_CALL, subjects=("a",))["a"].get("per_call") is None
+
+
+@pytest.mark.skipif(TORCH_CACHE is None, reason=f"torch_cache: {torch_cache.why_absent}")
+def test_torch_cache_hands_a_dropped_block_out_again():
+    torch = peers.torch
+    before = TORCH_CACHE.counts()
+    assert TORCH_CACHE.on()
+    try:
+        first = torch.empty(1 << 20)
+        where = first.data_ptr()
+        del first
+        again = torch.empty(1 << 20)
+        assert again.data_ptr() == where
+        counts = TORCH_CACHE.counts()
+        assert counts["fresh"] == before["fresh"] + 1 and counts["reused"] >= before["reused"] + 1
+    finally:
+        TORCH_CACHE.off()
+    after_off = TORCH_CACHE.counts()
+    other = torch.empty(1 << 20)         # torch's own allocator again: not counted here
+    assert TORCH_CACHE.counts()["fresh"] == after_off["fresh"]
+    del again, other
+    TORCH_CACHE.flush()
+    assert TORCH_CACHE.counts()["waiting_blocks"] == 0
