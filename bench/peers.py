@@ -83,26 +83,34 @@ def from_torch(t, dtype, layout):
     return torch_to_numpy(t.contiguous(), dtype)
 
 
-def torch_call(X, DY, problem, num_outputs, Y=None):
-    """aten.native_batch_norm_backward on the views X, DY; with Y (the forward's output), ReLU's
-    backward first (aten.threshold_backward), as PyTorch runs a BatchNorm followed by ReLU."""
+def torch_call(X, DY, problem, num_outputs, Y=None, grad_buf=None):
+    """aten.native_batch_norm_backward on the views X, DY, as a callable returning its
+    (dx, dgamma, dbeta).  With Y (the forward's output), ReLU's backward first, as PyTorch runs
+    a BatchNorm followed by ReLU: aten.threshold_backward, a new tensor, or with `grad_buf`
+    (laid out like DY) threshold_backward.grad_input into that buffer, which it fills in place.
+    The batch-norm op itself always allocates its outputs (its .out overload is generated from
+    it: it allocates as well, then copies): the runner gives it reused blocks instead
+    (torch_cache.py)."""
     aten = torch.ops.aten
     mean = torch.from_numpy(problem["mean"])
     var = torch.from_numpy(problem["var"])
+    if Y is None:
+        grad = lambda: DY  # noqa: E731
+    elif grad_buf is None:
+        grad = lambda: aten.threshold_backward(DY, Y, 0)  # noqa: E731
+    else:
+        grad = lambda: aten.threshold_backward.grad_input(  # noqa: E731
+            DY, Y, 0, grad_input=grad_buf)
     if num_outputs == 3:
         weight = torch.from_numpy(problem["gamma"])
         invstd = torch.from_numpy(
             (1 / np.sqrt(problem["var"] + np.float32(EPSILON))).astype(np.float32))
         mask = [True, True, True]
-        if Y is not None:
-            return lambda: aten.native_batch_norm_backward(
-                aten.threshold_backward(DY, Y, 0), X, weight, None, None, mean, invstd, True,
-                EPSILON, mask)
-        return lambda: aten.native_batch_norm_backward(DY, X, weight, None, None, mean, invstd,
-                                                       True, EPSILON, mask)
+        return lambda: aten.native_batch_norm_backward(grad(), X, weight, None, None, mean,
+                                                       invstd, True, EPSILON, mask)
     # frozen: eval mode with the statistics as running stats, gamma ignored as ours does
     mask = [True, False, False]
-    return lambda: aten.native_batch_norm_backward(DY, X, None, mean, var, None, None, False,
+    return lambda: aten.native_batch_norm_backward(grad(), X, None, mean, var, None, None, False,
                                                    EPSILON, mask)
 
 

@@ -1,7 +1,12 @@
-"""Readings of this process's memory (Linux /proc, glibc), in one place: the benchmarks use them,
-and tests that measure memory can import them too (bench/ on sys.path, as for shapes.py).  No
-imports beyond the standard library, so importing this costs nothing."""
+"""Readings of this process's memory (Linux /proc, glibc, getrusage), in one place: the benchmarks
+use them, and tests that measure memory can import them too (bench/ on sys.path, as for
+shapes.py).  No imports beyond the standard library, so importing this costs nothing."""
 import ctypes
+
+try:
+    import resource
+except ImportError:          # not on Windows
+    resource = None
 
 
 def status_bytes():
@@ -32,3 +37,10 @@ def reset_rss_peak():
         return True
     except OSError:
         return False
+
+
+def minor_faults():
+    """Page faults this process has taken so far that needed no I/O (getrusage ru_minflt: every
+    thread's; a page touched for the first time after mmap counts one), or 0 where getrusage is
+    missing."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0

@@ -17,11 +17,12 @@ def fmt_ratio(value):
 
 
 class Table:
-    """The terminal table's columns: the standard ones, plus `xunfus` when the run has fused
-    ReLU rows and `body`, `xbody` when it compares kernel bodies."""
+    """The terminal table's columns: the standard ones, plus `xtorch-alloc` when the run times
+    torch allocating its outputs (the default), `xunfus` when it has fused ReLU rows and
+    `body`, `xbody` when it compares kernel bodies."""
 
-    def __init__(self, unfused=False, bodies=False):
-        self.unfused, self.bodies = unfused, bodies
+    def __init__(self, unfused=False, bodies=False, torch_alloc=True):
+        self.unfused, self.bodies, self.torch_alloc = unfused, bodies, torch_alloc
 
     @property
     def header(self):
@@ -29,7 +30,8 @@ class Table:
                 f"{'class':<4} " + (f"{'body':<7} " if self.bodies else "") +
                 f"{'ms':>9} {'GB/s':>6} {'%roof':>6} "
                 + (f"{'xbody':>6} " if self.bodies else "") +
-                f"{'xtorch':>6} {'xonednn':>7} "
+                f"{'xtorch':>6} " + (f"{'xtorch-alloc':>12} " if self.torch_alloc else "") +
+                f"{'xonednn':>7} "
                 + (f"{'xunfus':>6} " if self.unfused else "") +
                 f"{'xnp32':>6} {'xref':>6} {'err dx':>8} check")
 
@@ -41,7 +43,9 @@ class Table:
                 + (f"{body:<7} " if self.bodies else "") +
                 f"{row.ours_ms:9.4f} {row.gbs:6.1f} {row.roofline_pct:6.1f} "
                 + (f"{fmt_ratio(row.vs_first_body)} " if self.bodies else "") +
-                f"{fmt_ratio(row.vs_torch)} {fmt_ratio(row.vs_onednn):>7} "
+                f"{fmt_ratio(row.vs_torch)} "
+                + (f"{fmt_ratio(row.vs_torch_alloc):>12} " if self.torch_alloc else "") +
+                f"{fmt_ratio(row.vs_onednn):>7} "
                 + (f"{fmt_ratio(row.vs_unfused)} " if self.unfused else "") +
                 f"{fmt_ratio(row.vs_numpy)} {fmt_ratio(row.vs_ref)} "
                 f"{row.err[0] if row.err else float('nan'):8.1e} {row.check}{notes}")
@@ -97,7 +101,8 @@ def class_bandwidth(rows):
 def network_totals(rows):
     """For each whole network (shapes.NETWORK_LAYERS) whose every shape has a row: the time of
     all its batch norms' backward (each shape's ms x how many layers have it), ours and the
-    peers, per layout, dtype, formula, threads and body.  A peer's total needs all its rows."""
+    peers (torch with reused blocks, torch allocating, oneDNN), per layout, dtype, formula,
+    threads and body.  A peer's total needs all its rows."""
     out = []
     for group in shape_lists.NETWORK_LAYERS:
         members = shape_lists.GROUPS[group]
@@ -112,12 +117,12 @@ def network_totals(rows):
             entry = {"network": group, "layout": layout, "dtype": dtype, "formula": formula,
                      "threads": threads, "body": body}
             for who, attr in (("ours", "ours_ms"), ("torch", "torch_ms"),
-                              ("onednn", "onednn_ms")):
+                              ("torch_alloc", "torch_alloc_ms"), ("onednn", "onednn_ms")):
                 times = [getattr(r, attr) for r in found.values()]
                 entry[f"{who}_ms"] = (sum(shape_lists.LAYERS[n] * getattr(r, attr)
                                           for n, r in found.items())
                                       if all(t is not None for t in times) else None)
-            for who in ("torch", "onednn"):
+            for who in ("torch", "torch_alloc", "onednn"):
                 entry[f"vs_{who}"] = (entry[f"{who}_ms"] / entry["ours_ms"]
                                       if entry[f"{who}_ms"] else None)
             out.append(entry)
@@ -153,7 +158,9 @@ def plot(rows, path):
     bodies = sorted({row.body for row in rows if row.body_cap})
     panels = [("roofline_pct", "% of roofline (probe time / our time)",
                "bnbw_native.batchnorm_training_backward: % of the two-pass roofline")]
-    for attr, who, what in (("vs_torch", "PyTorch", "torch.ops.aten.native_batch_norm_backward"),
+    for attr, who, what in (("vs_torch", "PyTorch",
+                             "torch.ops.aten.native_batch_norm_backward, outputs in reused "
+                             "blocks"),
                             ("vs_onednn", "oneDNN", "oneDNN's batch normalization backward")):
         if any(getattr(r, attr) for r in rows):
             panels.append((attr, f"speed-up vs {who} ({who} ms / our ms)",

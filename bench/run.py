@@ -2,7 +2,8 @@
 
     python bench/run.py [--quick] [--threads 1,2] [--dtypes f32,f16,bf16] [--json PATH]
                         [--plot PATH] [--shapes NAMES] [--layouts ...] [--formulas ...]
-                        [--peers torch,numpy,reference,onednn] [--split] [--bodies avx2,avx512]
+                        [--peers torch,torch-alloc,numpy,reference,onednn] [--split]
+                        [--bodies avx2,avx512]
 
 Each row is one case: a named shape (bench/shapes.py) x a memory layout x a storage dtype x
 a formula x a thread count.  For every row, in one interleaved measurement:
@@ -11,10 +12,14 @@ a formula x a thread count.  For every row, in one interleaved measurement:
              kernel body with --bodies);
 * probe      a STREAM-like loop (bench/stream.c) with the case's traffic pattern, over
              buffers of the case's byte size, on the same thread count: the roofline;
-* torch      ``aten.native_batch_norm_backward`` on views of the same data (optional);
+* torch      ``aten.native_batch_norm_backward`` on views of the same data, its outputs in
+             blocks reused from call to call (bench/torch_cache.cpp; optional);
+* torch-alloc  the same op allocating its outputs on every call, as torch's own allocator
+             does (optional);
 * onednn     oneDNN's batch-normalization backward through its C API on the same buffers
              (optional: the onednn-cpu-gomp wheel);
-* unfused    relu rows: torch's ReLU backward, then our call without relu_dst (optional);
+* unfused    relu rows: torch's ReLU backward into a preallocated buffer, then our call
+             without relu_dst (optional);
 * numpy f32  a plain vectorised float32 NumPy implementation, what a user would write;
 * reference  the package's float64 NumPy reference ``bnbw_native.reference``.
 
@@ -24,9 +29,10 @@ traffic model, the protocol and the columns.
 
 Modules (bench/): machine.py (machine facts), bandwidth.py (the probe), timing.py (the
 interleaved protocol), cases.py (shapes x layouts x dtypes x formulas, data), peers.py and
-onednn_peer.py (the other implementations), checks.py (against the reference), runner.py (one
-row), overhead.py and memory.py (extra measurements), report.py (table, JSON, plot), this file
-(the command line).
+onednn_peer.py (the other implementations), torch_cache.py + torch_cache.cpp (the torch
+peer's allocator), checks.py (against the reference), runner.py (one row), procmem.py (memory
+readings), overhead.py and memory.py (extra measurements), report.py (table, JSON, plot), this
+file (the command line).
 """
 import argparse
 import os
@@ -121,6 +127,14 @@ def print_header(info, threads, probe, runner, notes):
         print(f"oneDNN: {o['version']} ({o['cpu_runtime']}), {o['library']}")
     print(f"probe: {probe.kind}; reference: {runner.reference_name}; hardware counters "
           f"(perf stat): {'yes' if info['perf_counters'] else 'not available'}")
+    if runner.peers & {"torch", "torch-alloc"}:
+        print("torch peer: xtorch = " + (
+            "outputs in blocks reused from call to call (bench/torch_cache.cpp as torch's CPU "
+            "allocator), no new pages per call" if runner.torch_cache is not None else
+            "outputs allocated on every call (the reused-block allocator is unavailable)") +
+            "; xtorch-alloc = outputs allocated on every call by torch's own allocator; ReLU "
+            "rows: threshold_backward.grad_input into a preallocated buffer for xtorch and "
+            "xunfus")
     for note in notes:
         print(f"NOTE: {note}")
 
@@ -173,7 +187,8 @@ def main(argv=None):
           "in both passes), relu-mask 22 (a 1-byte mask); f16/bf16 halve the tensors' bytes; "
           "strided layout x2 (whole cache lines of a 2x wider buffer)")
     print("columns: ms = median of our calls; GB/s = model bytes / ms; %roof = roofline time "
-          "(probe) / our time; xtorch, xonednn, xunfus, xnp32, xref = peer ms / our ms; "
+          "(probe) / our time; xtorch, xtorch-alloc, xonednn, xunfus, xnp32, xref = peer ms / "
+          "our ms (xtorch: torch's outputs in reused blocks; xtorch-alloc: allocated per call); "
           "err dx = vs float64 reference\n")
     print(runner.table.header)
     t0 = perf_counter()
@@ -197,7 +212,8 @@ def main(argv=None):
         for e in networks:
             print(f"  {e['network']:<16} {e['layout']:<7} {e['dtype']:<4} {e['formula']:<9} "
                   f"thr {e['threads']} {e['body']}: ours {e['ours_ms']:9.2f} ms, "
-                  f"xtorch {fmt_ratio(e['vs_torch'])}, xonednn {fmt_ratio(e['vs_onednn'])}")
+                  f"xtorch {fmt_ratio(e['vs_torch'])}, xtorch-alloc "
+                  f"{fmt_ratio(e['vs_torch_alloc'])}, xonednn {fmt_ratio(e['vs_onednn'])}")
 
     t0 = perf_counter()
     overhead = call_overhead(rounds=5 if args.quick else 9, number=300 if args.quick else 2000,
@@ -209,16 +225,17 @@ def main(argv=None):
 
     t0 = perf_counter()
     big_name = max(named, key=lambda n: np.prod(named[n]))
-    memory = peak_memory(big_name, named[big_name], runner.reference)
+    memory = peak_memory(big_name, named[big_name], runner.reference,
+                         torch_cache=runner.torch_cache)
     print(f"\npeak extra memory of one call on {big_name} {tuple(memory['shape'])} f32 NCX "
           f"(one tensor = {memory['tensor_bytes'] / 2**20:.1f} MiB):")
-    print(f"  {'call':<28} {'tracemalloc':>12} {'RSS growth':>12}")
+    print(f"  {'call':<30} {'tracemalloc':>12} {'RSS growth':>12}")
     for label, m in memory["peak"].items():
         rss = m["rss_growth_bytes"]
-        print(f"  {label:<28} {m['tracemalloc_bytes'] / 2**20:9.2f} MiB "
+        print(f"  {label:<30} {m['tracemalloc_bytes'] / 2**20:9.2f} MiB "
               f"{'-' if rss is None else f'{rss / 2**20:9.2f} MiB':>12}")
     print("  (tracemalloc: Python/NumPy allocations only; RSS growth: new resident pages, any "
-          "allocator, torch included)")
+          "allocator, torch included; torch 'reused blocks' is the xtorch column's allocator)")
     sections["memory"] = perf_counter() - t0
 
     per_class = class_bandwidth(rows)
@@ -229,8 +246,8 @@ def main(argv=None):
 
     weak = weak_rows(rows)
     print(f"\nweak rows (DRAM < {WEAK_DRAM_PCT:.0f}% of roofline, tiny/L2/L3 < "
-          f"{WEAK_CACHE_SPEEDUP:.0f}x torch): {len(weak)} of {len(rows)}; by group "
-          "(weak/rows, median % of roofline, median x torch):")
+          f"{WEAK_CACHE_SPEEDUP:.0f}x torch (xtorch, reused blocks)): {len(weak)} of {len(rows)}; "
+          "by group (weak/rows, median % of roofline, median x torch):")
     for key, group in weak_summary(rows, weak):
         print(f"  {key[0]:<4} {key[1]:<4} {key[2]:<9} {key[3]:<7} thr {key[4]}: "
               f"{group['weak']:>2}/{group['rows']:<2} {group['roofline_pct']:6.1f}% "
@@ -240,6 +257,8 @@ def main(argv=None):
     results = {
         "machine": info, "notes": notes,
         "protocol": asdict(protocol), "quick": args.quick,
+        "torch_peer": runner.torch_peer_info() if runner.peers & {"torch", "torch-alloc"}
+        else None,
         "traffic_model": {"bytes_per_element_per_tensor_pass": PASSES,
                           "training_bytes_per_f32_element": 20,
                           "frozen_bytes_per_f32_element": 8,

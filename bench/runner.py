@@ -12,6 +12,7 @@ import bnbw_native
 from bnbw_native import _config
 
 import onednn_peer
+import torch_cache
 from bandwidth import PROBE_BYTES_PER_ELEMENT, Probe
 from cases import (DEFAULT_FORMULAS, EPSILON, LAYOUTS, NUM_OUTPUTS, PROBE_PATTERN,
                    RELU_FORMULAS, arrange, layout_arrays, make_problem, traffic)
@@ -20,11 +21,29 @@ from machine import size_class
 from report import Table
 from peers import (REFERENCE_NAME, from_torch, numpy_f32_backward, reference, torch,
                    torch_call, torch_inputs, torch_result)
+from procmem import minor_faults
 from timing import measure
 
 # Timed like ours (more rounds): ours, the probes, the two phases.
 SUBJECTS = ("ours", "probe", "probe1", "reduce", "apply", "probe_reduce", "probe_apply")
-PEERS = ("torch", "numpy", "reference", "onednn")
+PEERS = ("torch", "torch-alloc", "numpy", "reference", "onednn")
+# How each torch column gets its outputs (JSON "torch_peer"; bench/README.md, "Peers").
+TORCH_PEER = {
+    "torch": "aten.native_batch_norm_backward with its outputs in reused blocks: "
+             "bench/torch_cache.cpp is torch's CPU allocator while this column is timed and "
+             "the previous call's result is dropped first, so dx lands on pages already "
+             "resident; ReLU rows: threshold_backward.grad_input into a preallocated buffer",
+    "torch-alloc": "aten.native_batch_norm_backward allocating its outputs with torch's own "
+                   "allocator (glibc malloc: blocks above its mmap threshold, at most 32 MiB, "
+                   "are fresh pages on every call); ReLU rows: threshold_backward allocating",
+    "out_overload": "not used: aten.native_batch_norm_backward.out is generated from the "
+                    "allocating op (native_functions.yaml: autogen), so it allocates dx, then "
+                    "copies it into out0, and it rejects any out1/out2 for the frozen form "
+                    "(output_mask [True, False, False])",
+}
+# Rows whose torch call faults more than this share of dx's 4 KiB pages get a note: the reused
+# blocks did not hold.
+TORCH_FAULT_NOTE = 0.01
 
 
 @dataclass
@@ -48,18 +67,21 @@ class Row:
     probe_gbs: float
     roofline_pct: float
     probe_threads_ms: float    # the probe on exactly `threads` threads, scaled alike
-    torch_ms: float = None
+    torch_ms: float = None     # outputs in reused blocks (TORCH_PEER["torch"])
+    torch_alloc_ms: float = None  # outputs allocated on every call (TORCH_PEER["torch-alloc"])
     numpy_ms: float = None
     ref_ms: float = None
     onednn_ms: float = None
-    unfused_ms: float = None   # relu rows: torch's ReLU backward, then our unfused call
+    unfused_ms: float = None   # relu rows: torch's ReLU backward into a buffer, then our call
     vs_torch: float = None
+    vs_torch_alloc: float = None
     vs_numpy: float = None
     vs_ref: float = None
     vs_onednn: float = None
     vs_unfused: float = None
     err: list = field(default_factory=list)
     torch_err: list = None
+    torch_alloc_err: list = None
     numpy_err: list = None
     onednn_err: list = None
     unfused_err: list = None
@@ -71,6 +93,10 @@ class Row:
     notes: list = field(default_factory=list)
     load1: float = None        # 1-minute load average when the row was measured
     split: dict = None         # --split: the two phases' times and % of their own roofline
+    torch_peer: str = None     # how the torch column got its outputs on this row
+    faults_per_call: dict = None  # {implementation: page faults per timed call (getrusage)}
+    torch_new_blocks_per_call: float = None  # blocks torch_cache.cpp had to make per timed
+    #                                          torch call (0: every output was a reused block)
 
 
 def resolve_bodies(caps):
@@ -97,9 +123,20 @@ class Runner:
         self.formulas = list(formulas)
         self.peers = set(peers)
         self.notes = []
-        if torch is None and "torch" in self.peers:
-            self.peers.discard("torch")
+        if torch is None and self.peers & {"torch", "torch-alloc"}:
+            self.peers -= {"torch", "torch-alloc"}
             self.notes.append("torch and unfused columns skipped: torch is not importable")
+        # The fair torch peer's allocator; without it the torch column allocates (noted).
+        self.torch_cache = torch_cache.load() if "torch" in self.peers else None
+        if self.torch_cache is not None:
+            installed = self.torch_cache.on()
+            self.torch_cache.off()
+            if not installed:
+                self.torch_cache = None
+                torch_cache.why_absent = ("torch kept another CPU allocator of higher priority "
+                                          "(c10::SetCPUAllocator)")
+        if "torch" in self.peers and self.torch_cache is None:
+            self.notes.append(f"torch column allocates its outputs: {torch_cache.why_absent}")
         self.onednn = onednn_peer.load() if "onednn" in self.peers else None
         if "onednn" in self.peers and self.onednn is None:
             self.peers.discard("onednn")
@@ -117,7 +154,8 @@ class Runner:
                 if body.lower().replace("-", "") != cap:
                     self.notes.append(f"kernel body cap {cap!r} runs {body} on this CPU")
         self.table = table or Table(unfused=bool(set(self.formulas) & set(RELU_FORMULAS)),
-                                    bodies=bool(self.bodies))
+                                    bodies=bool(self.bodies),
+                                    torch_alloc="torch-alloc" in self.peers)
         self.rows = []
 
     # -- the loop over cases -----------------------------------------------------------------
@@ -145,6 +183,31 @@ class Runner:
         if not self.bodies:
             return {"ours": None}
         return {f"ours:{cap}": cap for cap in self.bodies}
+
+    def torch_peer(self, relu):
+        """How this run's torch column gets its outputs, in a few words (a row's `torch_peer`)."""
+        how = ("reused blocks (bench/torch_cache.cpp)" if self.torch_cache is not None
+               else f"allocating ({torch_cache.why_absent})")
+        return how + (", threshold_backward.grad_input into a preallocated buffer" if relu
+                      else "")
+
+    def torch_peer_info(self):
+        """The JSON's "torch_peer": what each torch column is, and the allocator's state."""
+        info = dict(TORCH_PEER)
+        if self.torch_cache is None:
+            info["torch"] = ("aten.native_batch_norm_backward allocating its outputs (as "
+                             f"torch-alloc): {torch_cache.why_absent}; ReLU rows: "
+                             "threshold_backward.grad_input into a preallocated buffer")
+        info["allocator"] = (self.torch_cache.path if self.torch_cache is not None else None)
+        return info
+
+    def events(self):
+        """Running totals read around every timed batch: page faults of the process, and the
+        blocks torch_cache.cpp has had to make (not hand out again)."""
+        found = {"faults": minor_faults()}
+        if self.torch_cache is not None:
+            found["torch_new_blocks"] = self.torch_cache.counts()["fresh"]
+        return found
 
     def run_case(self, problem, layout, arrays, formula, probe_bufs):
         x, dy, data_format = arrays["x"], arrays["dy"], arrays["data_format"]
@@ -180,9 +243,17 @@ class Runner:
         bufs = probe_bufs[array_bytes]
 
         views = None
-        if "torch" in self.peers:
+        if self.peers & {"torch", "torch-alloc"}:
             views = torch_inputs([x, dy] + ([arrays["y"]] if relu_dst is not None else []),
                                  layout)
+        relu_y = views[2] if views is not None and relu_dst is not None else None
+        # ReLU rows: the fair torch peer and the unfused call each write ReLU's backward into a
+        # buffer of their own, laid out like dy (threshold_backward.grad_input fills it in
+        # place: checked after the timing)
+        grad_bufs = {}
+        if relu_y is not None and "torch" in self.peers:
+            grad_bufs = {who: torch.empty_like(views[1]) for who in ("torch", "unfused")}
+        buf_layout = {who: (b.data_ptr(), b.stride()) for who, b in grad_bufs.items()}
         onednn_state = {}      # what one build found, for the next thread counts
 
         for nthreads in self.threads:
@@ -200,12 +271,19 @@ class Runner:
                                           outs[next(iter(outs))], nthreads, bufs, relu_kw))
             holder = {}
             if "torch" in self.peers:
-                call = torch_call(views[0], views[1], problem, k,
-                                  Y=views[2] if relu_dst is not None else None)
-                fns["torch"] = lambda: holder.__setitem__("torch", call())
+                call = torch_call(views[0], views[1], problem, k, Y=relu_y,
+                                  grad_buf=grad_bufs.get("torch"))
+
+                def fair(call=call):
+                    holder.pop("torch", None)   # the previous result's blocks go back first
+                    holder["torch"] = call()
+                fns["torch"] = fair
                 if relu_dst is not None:
                     fns["unfused"] = self.unfused_fn(views, arrays, problem, layout, nthreads,
-                                                     holder)
+                                                     holder, grad_bufs["unfused"])
+            if "torch-alloc" in self.peers:
+                allocating = torch_call(views[0], views[1], problem, k, Y=relu_y)
+                fns["torch-alloc"] = lambda: holder.__setitem__("torch-alloc", allocating())
             if "numpy" in self.peers:
                 fns["numpy"] = lambda: holder.__setitem__("numpy", numpy_f32_backward(
                     x, dy, mean, var, gamma, EPSILON, data_format, k, relu_dst=relu_dst))
@@ -220,13 +298,36 @@ class Runner:
                 onednn_call = self.onednn_build(problem, layout, arrays, formula, onednn_state)
                 if onednn_call is not None:
                     fns["onednn"] = onednn_call
+                steps = {name: [] for name in fns}
                 if self.bodies:     # ours under each cap; everything else under the first
                     first = next(iter(self.bodies))
                     for name in fns:
                         cap = self.ours_names().get(name, first)
-                        before[name] = lambda cap=cap: _config.use_kernels(cap)
-                times = measure(fns, self.protocol, subjects=SUBJECTS, known=known,
-                                before=before)
+                        steps[name].append(lambda cap=cap: _config.use_kernels(cap))
+                if self.torch_cache is not None:   # torch's outputs reused for "torch" alone
+                    for name in fns:
+                        steps[name].append(self.torch_cache.on if name == "torch"
+                                           else self.torch_cache.off)
+                for name, todo in steps.items():
+                    if todo:
+                        before[name] = lambda todo=tuple(todo): [step() for step in todo]
+                # Untimed first calls, so that a sample is never a first call (in --quick a
+                # slow peer's one sample is its warm-up call): torch's reused blocks and
+                # oneDNN's scratchpad exist, and are resident, before the timing.
+                for name in ("torch", "onednn"):
+                    if name in fns:
+                        self.prime(fns[name], before.get(name), x.dtype.itemsize * elements)
+                try:
+                    times = measure(fns, self.protocol, subjects=SUBJECTS, known=known,
+                                    before=before, count=self.events)
+                finally:
+                    if self.torch_cache is not None:
+                        self.torch_cache.off()
+            for who, (ptr, strides) in buf_layout.items():
+                buf = grad_bufs[who]
+                if (buf.data_ptr(), buf.stride()) != (ptr, strides):
+                    raise CheckFailed(f"{where}: threshold_backward.grad_input did not fill "
+                                      f"the {who} buffer in place")
 
             rows = []
             for name, cap in self.ours_names().items():
@@ -235,6 +336,7 @@ class Runner:
                 row.body = self.bodies[cap] if cap else _config.kernel_body()
                 row.body_cap = cap
                 row.onednn_impl = onednn_state.get("impl")
+                self.count_row(row, times, relu_dst is not None, x.dtype.itemsize * elements)
                 self.check_row(row, outs[name], ref, scales, problem, gaps[name])
                 rows.append(row)
             if len(rows) > 1:
@@ -251,6 +353,8 @@ class Runner:
                     row.vs_first_body = rows[0].ours_ms / row.ours_ms
             self.check_peers(rows, holder, onednn_call, onednn_state, ref, scales, problem,
                              layout, k, where, outs)
+            if self.torch_cache is not None:
+                self.torch_cache.flush()       # the results are gone: free their blocks
             if onednn_call is not None:
                 onednn_call.close()
             for row in rows:
@@ -259,6 +363,33 @@ class Runner:
 
     def format(self, row):
         return self.table.row(row)
+
+    @staticmethod
+    def prime(fn, hook, dx_bytes, most=3):
+        """Call `fn` (after `hook`) until a call faults on at most TORCH_FAULT_NOTE of the pages
+        of a dense dx of `dx_bytes`, `most` calls at most.  torch needs two: its NCX path makes
+        dx twice and fills only the second, so the block it first drops was never touched."""
+        for _ in range(most):
+            if hook is not None:
+                hook()
+            start = minor_faults()
+            fn()
+            if minor_faults() - start <= TORCH_FAULT_NOTE * dx_bytes / 4096:
+                break
+
+    def count_row(self, row, times, relu, dx_bytes):
+        """The row's page faults per timed call, how its torch column got its outputs, and a
+        note when the torch call faulted on more than TORCH_FAULT_NOTE of the pages of its dx
+        (dense, `dx_bytes`)."""
+        row.faults_per_call = {name: t["per_call"]["faults"] for name, t in times.items()
+                               if t.get("per_call")}
+        if "torch" in times:
+            row.torch_peer = self.torch_peer(relu)
+            per_call = times["torch"].get("per_call") or {}
+            row.torch_new_blocks_per_call = per_call.get("torch_new_blocks")
+            faults = row.faults_per_call.get("torch")
+            if faults is not None and faults >= 1 and faults > TORCH_FAULT_NOTE * dx_bytes / 4096:
+                row.notes.append(f"torch faults {faults:.0f}/call")
 
     # -- peers ---------------------------------------------------------------------------------
 
@@ -304,9 +435,9 @@ class Runner:
                     state["ref"] = (r, ref_scales(r))
         return call
 
-    def unfused_fn(self, views, arrays, problem, layout, nthreads, holder):
-        """What a PyTorch user of our layers pays today for BatchNorm + ReLU: torch's ReLU
-        backward (a new tensor), then our unfused call on it."""
+    def unfused_fn(self, views, arrays, problem, layout, nthreads, holder, grad_buf):
+        """BatchNorm + ReLU unfused: torch's ReLU backward into a preallocated buffer
+        (threshold_backward.grad_input), then our call without relu_dst on that buffer."""
         aten = torch.ops.aten
         X, DY, Y = views
         x = arrays["x"]
@@ -315,9 +446,11 @@ class Runner:
                np.zeros(C, np.float32), np.zeros(C, np.float32))
         mean, var, gamma = problem["mean"], problem["var"], problem["gamma"]
         data_format = arrays["data_format"]
+        g = from_torch(grad_buf, x.dtype, layout)      # the buffer itself, as NumPy sees it
+        assert g.ctypes.data == grad_buf.data_ptr(), "the unfused buffer was copied"
 
         def run():
-            g = from_torch(aten.threshold_backward(DY, Y, 0), x.dtype, layout)
+            aten.threshold_backward.grad_input(DY, Y, 0, grad_input=grad_buf)
             bnbw_native.batchnorm_training_backward(
                 x, g, mean, var, gamma, epsilon=EPSILON, data_format=data_format, out=out,
                 num_threads=nthreads)
@@ -331,9 +464,10 @@ class Runner:
         dtype_key = problem["dtype_key"]
         x = next(iter(outs.values()))[0]
         found = {}
-        if "torch" in holder:
-            found["torch"] = (errors(torch_result(holder.pop("torch"), x, layout, k), ref,
-                                     scales, problem, k), ref)
+        for name in ("torch", "torch-alloc"):
+            if name in holder:
+                found[name] = (errors(torch_result(holder.pop(name), x, layout, k), ref,
+                                      scales, problem, k), ref)
         if "unfused" in holder:
             found["unfused"] = (errors(holder.pop("unfused"), ref, scales, problem, k), ref)
         if "numpy" in holder:
@@ -349,7 +483,7 @@ class Runner:
                     row.check = "FAIL"
                 raise
             for row in rows:
-                setattr(row, f"{name}_err", errs)
+                setattr(row, f"{name.replace('-', '_')}_err", errs)
                 if note:
                     row.notes.append(note)
         if onednn_call is not None and onednn_state.get("note"):
@@ -389,9 +523,9 @@ class Runner:
             gbs=model_bytes / ours / 1e9, probe_ms=probe * 1e3,
             probe_gbs=model_bytes / probe / 1e9, roofline_pct=100 * probe / ours,
             probe_threads_ms=probe_n * 1e3, load1=os.getloadavg()[0])
-        for peer in ("torch", "numpy", "onednn", "unfused"):
+        for peer in ("torch", "torch-alloc", "numpy", "onednn", "unfused"):
             if peer in times:
-                setattr(row, f"{peer}_ms", times[peer]["median"] * 1e3)
+                setattr(row, f"{peer.replace('-', '_')}_ms", times[peer]["median"] * 1e3)
         if "reference" in times:
             row.ref_ms = times["reference"]["median"] * 1e3
         if "reduce" in times:
@@ -402,8 +536,9 @@ class Runner:
                          "apply_roofline_pct": 100 * t["probe_apply"] / t["apply"]}
             row.notes.append(f"reduce {row.split['reduce_roofline_pct']:.0f}% "
                              f"apply {row.split['apply_roofline_pct']:.0f}%")
-        for peer, attr in (("torch", "torch_ms"), ("numpy", "numpy_ms"), ("ref", "ref_ms"),
-                           ("onednn", "onednn_ms"), ("unfused", "unfused_ms")):
+        for peer, attr in (("torch", "torch_ms"), ("torch_alloc", "torch_alloc_ms"),
+                           ("numpy", "numpy_ms"), ("ref", "ref_ms"), ("onednn", "onednn_ms"),
+                           ("unfused", "unfused_ms")):
             value = getattr(row, attr)
             setattr(row, f"vs_{peer}", value / row.ours_ms if value else None)
         return row

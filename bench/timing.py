@@ -39,7 +39,7 @@ def is_subject(name, subjects):
     return name in subjects or name.split(":", 1)[0] in subjects
 
 
-def measure(fns, protocol, subjects=("ours", "probe"), known=None, before=None):
+def measure(fns, protocol, subjects=("ours", "probe"), known=None, before=None, count=None):
     """Time the callables of `fns` ({name: fn}) interleaved; {name: summary of s/call}.
 
     Warm-up first (at least one call each), then rounds: in round k every implementation
@@ -47,24 +47,33 @@ def measure(fns, protocol, subjects=("ours", "probe"), known=None, before=None):
     implementation always follows the same one.  The median per call is the figure used.
     `before` ({name: fn}, optional) runs untimed before each warm-up and each batch of that
     implementation (e.g. to select a kernel body).  `known` ({name: seconds}) is a call of a
-    slow peer already timed on this data."""
+    slow peer already timed on this data.  `count` (optional) returns {event: running total}
+    (page faults, say); it is read untimed around every batch whose times are the samples, and
+    each summary gets "per_call": {event: mean per call over those calls} (None for a `known`
+    peer, whose call was not made here)."""
     before = before or {}
     nothing = lambda: None  # noqa: E731
     plan = {}
     warm_times = {}
+    warm_counts = {}
     for name, fn in fns.items():
         warm = warm_times[name] = []
         if (known and name in known and protocol.slow_peer_once
                 and known[name] >= protocol.target):
             warm.append(known[name])     # a slow peer already timed on this data: reuse
             plan[name] = (1, 0, 0)
+            warm_counts[name] = None
             continue
         prepare = before.get(name, nothing)
+        events = warm_counts[name] = {}
         while not warm or (sum(warm) < protocol.warmup and not protocol.fixed_rounds):
             prepare()
+            c0 = count() if count else None
             t0 = perf_counter()
             fn()
             warm.append(perf_counter() - t0)
+            if count:
+                _add_events(events, c0, count())
         if protocol.fixed_rounds:
             plan[name] = (1, protocol.fixed_rounds, protocol.fixed_rounds)
             continue
@@ -80,6 +89,8 @@ def measure(fns, protocol, subjects=("ours", "probe"), known=None, before=None):
                          max(floor, round(protocol.target / (number * per_call)))))
         plan[name] = (number, rounds, floor)
     samples = {name: [] if plan[name][1] else warm_times[name] for name in fns}
+    # events of the calls whose times are the samples: the warm-up's when it is the sample
+    counted = {name: {} if plan[name][1] else warm_counts[name] for name in fns}
     spent = dict.fromkeys(fns, 0.0)
     budget = 3 * protocol.target      # a noisy machine can make calls far slower than planned
     names = list(fns)
@@ -98,11 +109,28 @@ def measure(fns, protocol, subjects=("ours", "probe"), known=None, before=None):
             number = plan[name][0]
             fn = fns[name]
             before.get(name, nothing)()
+            c0 = count() if count else None
             t0 = perf_counter()
             for _ in range(number):
                 fn()
             dt = perf_counter() - t0
+            if count:
+                _add_events(counted[name], c0, count(), number)
             spent[name] += dt
             samples[name].append(dt / number)
         k += 1
-    return {name: summarise(samples[name]) for name in names}
+    result = {name: summarise(samples[name]) for name in names}
+    if count:
+        for name in names:
+            events = counted[name]
+            calls = events.pop("calls", 0) if events is not None else 0
+            result[name]["per_call"] = ({event: total / calls for event, total in events.items()}
+                                        if calls else None)
+    return result
+
+
+def _add_events(totals, start, end, calls=1):
+    """Add the events between two `count()` readings, and the calls they cover, to `totals`."""
+    for event, value in end.items():
+        totals[event] = totals.get(event, 0) + value - start[event]
+    totals["calls"] = totals.get("calls", 0) + calls

@@ -1,8 +1,10 @@
 """Smoke test of the benchmark machinery (bench/): one tiny shape, one call per measurement,
 every layout, dtype and formula, the peers (oneDNN where installed), kernel bodies, the report
-and the command line.  No timing assertions."""
+and the command line; and one shape above glibc's 32 MiB mmap ceiling, where the page faults of
+each timed call show which peers allocate.  No timing assertions."""
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 from dataclasses import asdict, replace
@@ -26,11 +28,13 @@ import report  # noqa: E402
 import runner  # noqa: E402
 import shapes  # noqa: E402
 import timing  # noqa: E402
+import torch_cache  # noqa: E402
 
 TINY = {"tiny-2d": shapes.SMALL_ODD["tiny-2d"]}
 ODD = {"odd-4d": shapes.SMALL_ODD["odd-4d"]}
 ONE_CALL = timing.Protocol(fixed_rounds=1)
 ONEDNN = onednn_peer.load()
+TORCH_CACHE = torch_cache.load() if peers.torch is not None else None
 quiet = dict(echo=lambda line: None)
 
 
@@ -78,8 +82,23 @@ def test_every_case_produces_a_checked_row(rows):
         assert max(row.err) <= max(checks.TOLERANCE[row.dtype])
         assert row.numpy_ms is not None and row.ref_ms is not None
         assert (row.torch_ms is not None) == (peers.torch is not None)
+        assert (row.torch_alloc_ms is not None) == (peers.torch is not None)
         relu = row.formula in cases.RELU_FORMULAS
         assert (row.unfused_ms is not None) == (relu and peers.torch is not None)
+        # every timed implementation's page faults are counted (whether they stay at zero is
+        # checked on a big tensor below: one call here may meet a first touch of anything)
+        assert {"ours", "probe", "numpy"} <= set(row.faults_per_call), row.faults_per_call
+        assert all(f >= 0 for f in row.faults_per_call.values())
+        if peers.torch is not None:
+            assert {"torch", "torch-alloc"} <= set(row.faults_per_call)
+            assert row.vs_torch == pytest.approx(row.torch_ms / row.ours_ms)
+            assert row.vs_torch_alloc == pytest.approx(row.torch_alloc_ms / row.ours_ms)
+            assert row.torch_peer.startswith("reused blocks" if TORCH_CACHE else "allocating")
+            assert ("threshold_backward.grad_input" in row.torch_peer) == relu
+            if TORCH_CACHE is not None:
+                assert row.torch_new_blocks_per_call == 0, row     # every block was reused
+            assert max(row.torch_err) <= checks.SEMANTICS_LIMIT
+            assert max(row.torch_alloc_err) <= checks.SEMANTICS_LIMIT
         itemsize = np.dtype(cases.DTYPES[row.dtype]).itemsize
         assert row.model_bytes == ((cases.PASSES[row.formula] * itemsize
                                     + cases.MASK_PASSES[row.formula])
@@ -143,21 +162,29 @@ def test_results_written_as_json(rows, tmp_path):
     report.write_json({"rows": [asdict(r) for r in rows]}, str(path))
     loaded = json.loads(path.read_text())
     assert len(loaded["rows"]) == len(rows)
-    assert {"ours_ms", "gbs", "roofline_pct", "vs_torch", "vs_onednn", "onednn_impl",
-            "vs_unfused", "body", "err"} <= set(loaded["rows"][0])
+    assert {"ours_ms", "gbs", "roofline_pct", "vs_torch", "vs_torch_alloc", "torch_peer",
+            "faults_per_call", "vs_onednn", "onednn_impl", "vs_unfused", "body",
+            "err"} <= set(loaded["rows"][0])
     table = report.Table(unfused=True, bodies=True)
     assert "xonednn" in table.header and "xunfus" in table.header
+    assert "xtorch-alloc" in table.header
+    assert "xtorch-alloc" not in report.Table(torch_alloc=False).header
+    # the column sits under its header: the row's text at the header's position is its ratio
+    row = replace(rows[0], vs_torch_alloc=12.5)
+    at = table.header.index("xtorch-alloc")
+    assert table.row(row)[at:at + len("xtorch-alloc")].strip() == "12.50"
     for row in rows:
         assert row.case in table.row(row) and row.case in report.format_row(row)
     assert report.weak_summary(rows, report.weak_rows(rows)) is not None
 
 
 def test_network_totals_weigh_each_shape_by_its_layers(rows):
-    fake = [replace(rows[0], case=name, ours_ms=1.0, torch_ms=2.0, onednn_ms=None)
-            for name in shapes.RESNET50_B50]
+    fake = [replace(rows[0], case=name, ours_ms=1.0, torch_ms=2.0, torch_alloc_ms=3.0,
+                    onednn_ms=None) for name in shapes.RESNET50_B50]
     (total,) = report.network_totals(fake)
     assert total["network"] == "RESNET50_B50" and total["ours_ms"] == 53
     assert total["vs_torch"] == 2 and total["onednn_ms"] is None
+    assert total["torch_alloc_ms"] == 3 * 53 and total["vs_torch_alloc"] == 3
     assert report.network_totals(fake[1:]) == []          # a shape missing: no total
 
 
@@ -239,6 +266,14 @@ def test_command_line_quick_run(tmp_path, capsys):
     results = json.loads(path.read_text())
     assert results["machine"]["kernel_body"] == _config.kernel_body()
     assert len(results["rows"]) == 2
+    if peers.torch is not None:
+        assert "xtorch-alloc" in printed and "torch peer: xtorch = " in printed
+        described = results["torch_peer"]
+        assert {"torch", "torch-alloc", "out_overload", "allocator"} <= set(described)
+        assert ("torch_cache" in (described["allocator"] or "")) == (TORCH_CACHE is not None)
+        assert [r["torch_peer"] is not None for r in results["rows"]] == [True, True]
+    else:
+        assert results["torch_peer"] is None
     assert ("onednn" in results["machine"]) == (ONEDNN is not None)
 
 
@@ -251,3 +286,78 @@ def test_half_training_table_times_every_dtype_and_layout():
     assert set(times) == {(layout, threads, key) for layout in ("NCX", "NXC")
                           for threads in (1, 2) for key in keys}
     assert all(t > 0 for t in times.values())
+
+
+def test_measure_counts_events_per_timed_call():
+    made = {"n": 0}
+
+    def step(by):
+        def call():
+            made["n"] += by
+        return call
+
+    times = timing.measure({"two": step(2), "none": step(0)}, timing.Protocol(fixed_rounds=3),
+                           subjects=("two", "none"), count=lambda: dict(made))
+    assert times["two"]["per_call"] == {"n": 2.0}
+    assert times["none"]["per_call"] == {"n": 0.0}
+    assert timing.measure({"a": step(1)}, ONE_CALL, subjects=("a",))["a"].get("per_call") is None
+
+
+@pytest.mark.skipif(TORCH_CACHE is None, reason=f"torch_cache: {torch_cache.why_absent}")
+def test_torch_cache_hands_a_dropped_block_out_again():
+    torch = peers.torch
+    before = TORCH_CACHE.counts()
+    assert TORCH_CACHE.on()
+    try:
+        first = torch.empty(1 << 20)
+        where = first.data_ptr()
+        del first
+        again = torch.empty(1 << 20)
+        assert again.data_ptr() == where
+        counts = TORCH_CACHE.counts()
+        assert counts["fresh"] == before["fresh"] + 1 and counts["reused"] >= before["reused"] + 1
+    finally:
+        TORCH_CACHE.off()
+    after_off = TORCH_CACHE.counts()
+    other = torch.empty(1 << 20)         # torch's own allocator again: not counted here
+    assert TORCH_CACHE.counts()["fresh"] == after_off["fresh"]
+    del again, other
+    TORCH_CACHE.flush()
+    assert TORCH_CACHE.counts()["waiting_blocks"] == 0
+
+
+@pytest.mark.skipif(TORCH_CACHE is None, reason=f"torch_cache: {torch_cache.why_absent}")
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="ASan's allocator maps and quarantines blocks its own way")
+def test_fair_torch_peer_takes_no_new_pages_where_allocating_torch_does(probe):
+    """dx above glibc's 32 MiB mmap ceiling: torch allocating it maps fresh pages on every call
+    (so does the .out overload, which allocates and copies); with reused blocks the timed torch
+    call, like ours and oneDNN's, faults on none of them."""
+    shape = (1, 9, 1024, 1024)                  # 36 MiB per f32 tensor
+    pages = 9 * 1024 * 1024 * 4 // 4096
+    procmem.release_free_heap()
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NCX"],
+                        formulas=["training"], peers=("torch", "torch-alloc", "onednn"),
+                        probe=probe, **quiet)
+    (row,) = run.run_shapes({"above-mmap-ceiling": shape})
+    faults = row.faults_per_call
+    assert faults["torch-alloc"] >= 1, faults
+    assert faults["torch"] <= 0.01 * pages and faults["ours"] <= 0.01 * pages, faults
+    if ONEDNN is not None:
+        assert faults["onednn"] <= 0.01 * pages, faults
+    assert row.torch_new_blocks_per_call == 0
+    assert not any(note.startswith("torch faults") for note in row.notes)
+    # the .out overload is no way around it: given out0, it still maps a fresh dx per call
+    torch = peers.torch
+    problem = cases.make_problem("above-mmap-ceiling", shape, "f32")
+    X, DY = peers.torch_inputs((problem["x"], problem["dy"]), "NCX")
+    C = shape[1]
+    args = (DY, X, torch.from_numpy(problem["gamma"]), None, None,
+            torch.from_numpy(problem["mean"]), torch.ones(C), True, cases.EPSILON, [True] * 3)
+    out = (torch.empty_like(X), torch.empty(C), torch.empty(C))
+    call = lambda: torch.ops.aten.native_batch_norm_backward.out(  # noqa: E731
+        *args, out0=out[0], out1=out[1], out2=out[2])
+    call()
+    start = procmem.minor_faults()
+    call()
+    assert procmem.minor_faults() - start >= 1, "the .out overload no longer allocates: use it"
