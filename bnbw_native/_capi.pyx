@@ -11,8 +11,10 @@ from libc.string cimport strncpy
 from cpython.pycapsule cimport PyCapsule_New
 
 from bnbw_native._vocabulary cimport (
-    N_SLOTS, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE, S_DSCALE, S_DBIAS, bnbw_data_type,
-    bnbw_operator_type, bnbw_batch_normalization_grad_desc, bnbw_bindings, bnbw_status,
+    N_SLOTS, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE, S_BETA, S_DSCALE, S_DBIAS, S_RUN_MEAN,
+    S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_FORWARD, bnbw_data_type, bnbw_operator_type,
+    bnbw_batch_normalization_grad_desc, bnbw_batch_normalization_training_desc, bnbw_bindings,
+    bnbw_training_bindings, bnbw_status,
     BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT,
     BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES, BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP,
     BNBW_ERROR_EPSILON, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OPERATOR_TYPE,
@@ -20,7 +22,7 @@ from bnbw_native._vocabulary cimport (
     BNBW_API_VERSION, BNBW_CAPSULE_NAME)
 from bnbw_native._rules cimport Epsilon, epsilon_of_float
 from bnbw_native._directml cimport (Tensor, OperatorImpl, layout_check, default_total,
-                                    op_create, op_execute, op_destroy)
+                                    op_create, op_create_training, op_execute, op_destroy)
 
 cdef extern from *:
     """
@@ -75,6 +77,8 @@ cdef bnbw_status c_execute(const bnbw_operator *op, const bnbw_bindings *binding
     if bindings == NULL:
         snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
         return BNBW_ERROR_NULL_POINTER
+    if _is_training(op, 0) != BNBW_OK:
+        return BNBW_ERROR_OPERATOR_TYPE
     for i in range(N_SLOTS):
         ptr[i] = NULL
     ptr[S_X] = bindings.input
@@ -85,6 +89,51 @@ cdef bnbw_status c_execute(const bnbw_operator *op, const bnbw_bindings *binding
     ptr[S_DX] = bindings.output_gradient
     ptr[S_DSCALE] = bindings.output_scale_gradient
     ptr[S_DBIAS] = bindings.output_bias_gradient
+    return op_execute(<const OperatorImpl *> op, ptr, num_threads, bnbw_thread_message(),
+                      BNBW_MESSAGE_CAP)
+
+
+cdef bnbw_status _is_training(const bnbw_operator *op, bint training) noexcept nogil:
+    """Whether `op` is of the kind this execute runs (a NULL op is op_execute's to refuse)."""
+    if op != NULL and ((<const OperatorImpl *> op).op & OP_FORWARD != 0) != training:
+        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "op: a %s operator; run it with %s",
+                 "gradient" if training else "training-forward",
+                 "execute" if training else "execute_training")
+        return BNBW_ERROR_OPERATOR_TYPE
+    return BNBW_OK
+
+
+cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_training_desc *desc,
+                                            bnbw_operator **op) noexcept nogil:
+    cdef Epsilon eps, momentum
+    epsilon_of_float(desc.epsilon if desc != NULL else 0, &eps)
+    epsilon_of_float(desc.momentum if desc != NULL else 0, &momentum)
+    return op_create_training(desc, &eps, &momentum, <OperatorImpl **> op,
+                              bnbw_thread_message(), BNBW_MESSAGE_CAP)
+
+
+cdef bnbw_status c_execute_training(const bnbw_operator *op,
+                                    const bnbw_training_bindings *bindings,
+                                    int num_threads) noexcept nogil:
+    cdef const void *ptr[N_SLOTS]
+    cdef int i
+    if bindings == NULL:
+        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    if _is_training(op, 1) != BNBW_OK:
+        return BNBW_ERROR_OPERATOR_TYPE
+    for i in range(N_SLOTS):
+        ptr[i] = NULL
+    ptr[S_X] = bindings.input
+    ptr[S_MEAN] = bindings.mean
+    ptr[S_VAR] = bindings.variance
+    ptr[S_SCALE] = bindings.scale
+    ptr[S_BETA] = bindings.bias
+    ptr[S_DX] = bindings.output
+    ptr[S_RUN_MEAN] = bindings.output_running_mean
+    ptr[S_RUN_VAR] = bindings.output_running_variance
+    ptr[S_BATCH_MEAN] = bindings.output_batch_mean
+    ptr[S_BATCH_VAR] = bindings.output_batch_variance
     return op_execute(<const OperatorImpl *> op, ptr, num_threads, bnbw_thread_message(),
                       BNBW_MESSAGE_CAP)
 
@@ -139,6 +188,8 @@ TABLE.execute = c_execute
 TABLE.destroy_operator = c_destroy_operator
 TABLE.error_message = c_error_message
 TABLE.status_name = c_status_name
+TABLE.create_training_operator = c_create_training_operator
+TABLE.execute_training = c_execute_training
 
 from bnbw_native._config import __version__ as _version
 strncpy(bnbw_version_text, _version.encode()[:31], 31)

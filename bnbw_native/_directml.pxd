@@ -1,8 +1,9 @@
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from bnbw_native._vocabulary cimport (MAX_DIMS, N_SLOTS, Plan, bnbw_status,
-                                      bnbw_batch_normalization_grad_desc)
-from bnbw_native._rules cimport Epsilon
+                                      bnbw_batch_normalization_grad_desc,
+                                      bnbw_batch_normalization_training_desc)
+from bnbw_native._rules cimport Epsilon, Rules
 
 ctypedef struct Tensor:
     int dtype                    # bnbw_data_type
@@ -14,10 +15,13 @@ ctypedef struct Tensor:
     uint64_t total
 
 ctypedef struct OperatorImpl:
-    int op                       # DO_FROZEN or DO_TRAINING
+    int op                       # DO_FROZEN, DO_TRAINING or DO_FORWARD (with OP_RELU)
+    const Rules *rules           # its convention: the members' names
+    const int *members           # its members' slots, in descriptor order
+    int n_members
     Epsilon eps
-    bint in_place_ok             # output_gradient may be bound over input_gradient
-    Tensor t[N_SLOTS]            # by slot: the members' descriptors
+    Epsilon momentum             # the forward's
+    Tensor t[N_SLOTS]            # by slot: the members' descriptors (ndim 0: absent)
     Plan plan
 
 cdef bnbw_status layout_check(int dtype, uint32_t ndim, const int64_t *sizes,
@@ -27,6 +31,9 @@ cdef uint64_t default_total(int64_t minimum) noexcept nogil
 cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *desc,
                            const Epsilon *eps, OperatorImpl **out, char *msg,
                            size_t cap) noexcept nogil
+cdef bnbw_status op_create_training(const bnbw_batch_normalization_training_desc *desc,
+                                    const Epsilon *eps, const Epsilon *momentum,
+                                    OperatorImpl **out, char *msg, size_t cap) noexcept nogil
 cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,
                             char *msg, size_t cap) noexcept nogil
 cdef void op_destroy(OperatorImpl *op) noexcept nogil

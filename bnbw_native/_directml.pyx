@@ -27,16 +27,17 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsCo
 
 from bnbw_native._vocabulary cimport (
     Layout, MAX_DIMS, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE,
-    S_DSCALE, S_DBIAS, DO_FROZEN, DO_TRAINING, bnbw_data_type, BNBW_DATA_TYPE_FLOAT32,
+    S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_FORWARD,
+    OP_RELU, DO_FROZEN, DO_TRAINING, DO_FORWARD, bnbw_data_type, BNBW_DATA_TYPE_FLOAT32,
     BNBW_DATA_TYPE_FLOAT16, BNBW_DATA_TYPE_BFLOAT16, bnbw_tensor_desc,
     BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD, BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD,
-    bnbw_batch_normalization_grad_desc, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
+    bnbw_batch_normalization_grad_desc, bnbw_batch_normalization_training_desc, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
     BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES,
     BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT,
     BNBW_ERROR_OPERATOR_TYPE, BNBW_ERROR_OUT_OF_MEMORY, BNBW_ERROR_ADDRESS)
 from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, MESSAGE_CAP, check_call,
                                  layout_of, ranges_overlap, type_text, parse_real,
-                                 raise_status)
+                                 in_place_input, raise_status)
 from bnbw_native._engine cimport engine_plan, engine_execute, engine_release
 
 import numbers
@@ -51,28 +52,40 @@ from bnbw_native._engine import requested_threads
 # ---------------------------------------------------------------------------------------
 
 cdef enum:
-    N_MEMBERS = 8
+    N_MEMBERS = 8             # the gradient operators' members
+    N_TRAINING_MEMBERS = 10   # the training forward's
 
 cdef int MEMBER_SLOTS[8]
 MEMBER_SLOTS[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_DX, S_DSCALE, S_DBIAS]
 MEMBERS = ("input", "input_gradient", "mean", "variance", "scale", "output_gradient",
            "output_scale_gradient", "output_bias_gradient")
+cdef int TRAINING_SLOTS[10]
+TRAINING_SLOTS[:] = [S_X, S_MEAN, S_VAR, S_SCALE, S_BETA, S_DX, S_RUN_MEAN, S_RUN_VAR,
+                     S_BATCH_MEAN, S_BATCH_VAR]
+TRAINING_MEMBERS = ("input", "mean", "variance", "scale", "bias", "output",
+                    "output_running_mean", "output_running_variance", "output_batch_mean",
+                    "output_batch_variance")
 
-# DirectML's convention for the validation layer: descriptors here, arrays in bnbw_native.dml.
+# DirectML's conventions for the validation layer: descriptors here, arrays in bnbw_native.dml.
 CONVENTION = Convention({role: MEMBERS[i] for i, role in enumerate(
     ("x", "dy", "mean", "var", "scale", "dx", "dscale", "dbias"))}, family="directml",
     dtype_rule="same", ranks=(1, MAX_DIMS), data_format=False)
+TRAINING_CONVENTION = Convention({role: TRAINING_MEMBERS[i] for i, role in enumerate(
+    ("x", "mean", "var", "scale", "beta", "dx", "run_mean", "run_var", "batch_mean",
+     "batch_var"))}, family="directml", dtype_rule="same", ranks=(1, MAX_DIMS),
+    data_format=False)
 cdef const Rules *RULES = &(<Convention> CONVENTION).rules
+cdef const Rules *TRAINING_RULES = &(<Convention> TRAINING_CONVENTION).rules
 
 cdef int64_t LIMIT = 0x7FFFFFFFFFFFFFFF     # byte extents must fit int64 (engine offsets)
 
 
 cdef inline bint is_output(int slot) noexcept nogil:
-    return slot == S_DX or slot == S_DSCALE or slot == S_DBIAS
+    return slot == S_DX or slot > S_BETA
 
 
-cdef inline const char *member_name(int slot) noexcept nogil:
-    return RULES.names[slot]
+cdef inline const char *member_name(const OperatorImpl *op, int slot) noexcept nogil:
+    return op.rules.names[slot]
 
 
 cdef inline const char *sep(const char *member) noexcept nogil:
@@ -174,44 +187,35 @@ cdef bnbw_status tensor_check(const bnbw_tensor_desc *desc, const char *m, Tenso
 # The operator
 # ---------------------------------------------------------------------------------------
 
-cdef bnbw_status operator_check(const bnbw_batch_normalization_grad_desc *desc,
-                                const Epsilon *eps, Tensor *t, Arg *a, char *msg,
+cdef bnbw_status operator_check(OperatorImpl *op, const bnbw_tensor_desc **descs,
+                                const Epsilon *eps, const Epsilon *momentum, Arg *a, char *msg,
                                 size_t cap) noexcept nogil:
-    """Every member's descriptor, once, then the operator's rules (the validation layer's,
-    under the DirectML convention); fills t[N_SLOTS] and a[N_ROLES]."""
-    cdef const bnbw_tensor_desc *descs[N_MEMBERS]
+    """Every member's descriptor, once (op.members of them, NULL where optional and absent),
+    then the operator's rules (the validation layer's, under op.rules); fills op.t and
+    a[N_ROLES]."""
     cdef bnbw_status rc
     cdef int64_t channels
     cdef int i, d, slot
-    if desc == NULL:
-        snprintf(msg, cap, "desc: the operator descriptor pointer is NULL")
-        return BNBW_ERROR_NULL_POINTER
-    descs[0] = desc.input
-    descs[1] = desc.input_gradient
-    descs[2] = desc.mean
-    descs[3] = desc.variance
-    descs[4] = desc.scale
-    descs[5] = desc.output_gradient
-    descs[6] = desc.output_scale_gradient
-    descs[7] = desc.output_bias_gradient
     for i in range(N_ROLES):
         a[i].present = False
         a[i].data = NULL
-    for i in range(N_MEMBERS):
-        slot = MEMBER_SLOTS[i]
-        rc = tensor_check(descs[i], member_name(slot), &t[slot], msg, cap)
+    for i in range(op.n_members):
+        slot = op.members[i]
+        if descs[i] == NULL and (slot == S_SCALE or slot == S_BETA) and op.op & OP_FORWARD:
+            continue                  # the forward's scale (1) and bias (0) are optional
+        rc = tensor_check(descs[i], member_name(op, slot), &op.t[slot], msg, cap)
         if rc != BNBW_OK:
             return rc
         a[slot].present = True
-        a[slot].dtype = t[slot].dtype - 1           # bnbw_data_type -> the engine's DType
+        a[slot].dtype = op.t[slot].dtype - 1      # bnbw_data_type -> the engine's DType
         strncpy(a[slot].type_name, type_text(a[slot].dtype), 39)
-        a[slot].ndim = t[slot].ndim
+        a[slot].ndim = op.t[slot].ndim
         a[slot].writable = True
         a[slot].aligned = True
-        for d in range(t[slot].ndim):
-            a[slot].shape[d] = t[slot].sizes[d]
-            a[slot].strides[d] = t[slot].strides[d] * t[slot].itemsize
-    return check_call(RULES, a, 0, 0, eps, NULL, -1, &channels, msg, cap)
+        for d in range(op.t[slot].ndim):
+            a[slot].shape[d] = op.t[slot].sizes[d]
+            a[slot].strides[d] = op.t[slot].strides[d] * op.t[slot].itemsize
+    return check_call(op.rules, a, op.op, 0, eps, momentum, -1, &channels, msg, cap)
 
 
 cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
@@ -224,15 +228,44 @@ cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
     return True
 
 
-cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *desc,
-                           const Epsilon *eps, OperatorImpl **out, char *msg,
-                           size_t cap) noexcept nogil:
-    """A new operator: every check, then the plan.  eps: the epsilon as the caller gave it
-    (C callers: desc.epsilon)."""
+cdef bnbw_status _op_build(OperatorImpl *proto, const bnbw_tensor_desc **descs,
+                           const Epsilon *eps, const Epsilon *momentum, OperatorImpl **out,
+                           char *msg, size_t cap) noexcept nogil:
+    """A new operator like `proto` (kind, members, rules): every check, then the plan."""
     cdef OperatorImpl *op
     cdef Arg a[N_ROLES]
     cdef Layout layout
     cdef bnbw_status rc
+    op = <OperatorImpl *> calloc(1, sizeof(OperatorImpl))
+    if op == NULL:
+        snprintf(msg, cap, "out of memory")
+        return BNBW_ERROR_OUT_OF_MEMORY
+    op.op = proto.op
+    op.rules = proto.rules
+    op.members = proto.members
+    op.n_members = proto.n_members
+    rc = operator_check(op, descs, eps, momentum, a, msg, cap)
+    if rc != BNBW_OK:
+        free(op)
+        return rc
+    op.eps = eps[0]
+    if momentum != NULL:
+        op.momentum = momentum[0]
+    layout_of(op.rules, a, 0, &layout)
+    if engine_plan(&layout, &op.plan) != BNBW_OK:
+        free(op)
+        snprintf(msg, cap, "out of memory while planning")
+        return BNBW_ERROR_OUT_OF_MEMORY
+    out[0] = op
+    return BNBW_OK
+
+
+cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *desc,
+                           const Epsilon *eps, OperatorImpl **out, char *msg,
+                           size_t cap) noexcept nogil:
+    """A new gradient operator.  eps: the epsilon as the caller gave it (C: desc.epsilon)."""
+    cdef OperatorImpl proto
+    cdef const bnbw_tensor_desc *descs[N_MEMBERS]
     if out == NULL:
         snprintf(msg, cap, "op: the pointer receiving the operator is NULL")
         return BNBW_ERROR_NULL_POINTER
@@ -242,24 +275,52 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
         snprintf(msg, cap, "type must be BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD (1) or "
                  "BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD (2), got %d", type)
         return BNBW_ERROR_OPERATOR_TYPE
-    op = <OperatorImpl *> calloc(1, sizeof(OperatorImpl))
-    if op == NULL:
-        snprintf(msg, cap, "out of memory")
-        return BNBW_ERROR_OUT_OF_MEMORY
-    rc = operator_check(desc, eps, op.t, a, msg, cap)
-    if rc != BNBW_OK:
-        free(op)
-        return rc
-    op.eps = eps[0]
-    op.op = DO_TRAINING if type == BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD else DO_FROZEN
-    op.in_place_ok = same_layout(&op.t[S_DY], &op.t[S_DX])
-    layout_of(RULES, a, 0, &layout)
-    if engine_plan(&layout, &op.plan) != BNBW_OK:
-        free(op)
-        snprintf(msg, cap, "out of memory while planning")
-        return BNBW_ERROR_OUT_OF_MEMORY
-    out[0] = op
-    return BNBW_OK
+    if desc == NULL:
+        snprintf(msg, cap, "desc: the operator descriptor pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    descs[0] = desc.input
+    descs[1] = desc.input_gradient
+    descs[2] = desc.mean
+    descs[3] = desc.variance
+    descs[4] = desc.scale
+    descs[5] = desc.output_gradient
+    descs[6] = desc.output_scale_gradient
+    descs[7] = desc.output_bias_gradient
+    proto.op = DO_TRAINING if type == BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD else DO_FROZEN
+    proto.rules = RULES
+    proto.members = MEMBER_SLOTS
+    proto.n_members = N_MEMBERS
+    return _op_build(&proto, descs, eps, NULL, out, msg, cap)
+
+
+cdef bnbw_status op_create_training(const bnbw_batch_normalization_training_desc *desc,
+                                    const Epsilon *eps, const Epsilon *momentum,
+                                    OperatorImpl **out, char *msg, size_t cap) noexcept nogil:
+    """A new training-forward operator; eps and momentum as the caller gave them."""
+    cdef OperatorImpl proto
+    cdef const bnbw_tensor_desc *descs[N_TRAINING_MEMBERS]
+    if out == NULL:
+        snprintf(msg, cap, "op: the pointer receiving the operator is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    out[0] = NULL
+    if desc == NULL:
+        snprintf(msg, cap, "desc: the operator descriptor pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    descs[0] = desc.input
+    descs[1] = desc.mean
+    descs[2] = desc.variance
+    descs[3] = desc.scale
+    descs[4] = desc.bias
+    descs[5] = desc.output
+    descs[6] = desc.output_running_mean
+    descs[7] = desc.output_running_variance
+    descs[8] = desc.output_batch_mean
+    descs[9] = desc.output_batch_variance
+    proto.op = DO_FORWARD | (OP_RELU if desc.fuse_relu else 0)
+    proto.rules = TRAINING_RULES
+    proto.members = TRAINING_SLOTS
+    proto.n_members = N_TRAINING_MEMBERS
+    return _op_build(&proto, descs, eps, momentum, out, msg, cap)
 
 
 cdef void op_destroy(OperatorImpl *op) noexcept nogil:
@@ -270,56 +331,66 @@ cdef void op_destroy(OperatorImpl *op) noexcept nogil:
 
 cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,
                             char *msg, size_t cap) noexcept nogil:
-    """ptr: the buffer addresses by slot.  num_threads 0: the package default (OpenMP's unless
-    bnbw_native.set_num_threads set one)."""
-    cdef int i, j, s, o
+    """ptr: the buffer addresses by slot (NULL for absent optional members).  num_threads 0:
+    the package default (OpenMP's unless bnbw_native.set_num_threads set one)."""
+    cdef int i, j, s, o, same
     cdef uintptr_t a, b
     if op == NULL:
         snprintf(msg, cap, "op: the operator pointer is NULL")
         return BNBW_ERROR_NULL_POINTER
-    for i in range(N_MEMBERS):
-        s = MEMBER_SLOTS[i]
+    for i in range(op.n_members):
+        s = op.members[i]
         a = <uintptr_t> ptr[s]
+        if op.t[s].ndim == 0:          # an optional member the operator was made without
+            if a != 0:
+                snprintf(msg, cap, "%s: the operator was made without this member; its buffer "
+                         "pointer must be NULL", member_name(op, s))
+                return BNBW_ERROR_NULL_POINTER
+            continue
         if a == 0:
-            snprintf(msg, cap, "%s: the buffer pointer is NULL", member_name(s))
+            snprintf(msg, cap, "%s: the buffer pointer is NULL", member_name(op, s))
             return BNBW_ERROR_NULL_POINTER
         if a % <uintptr_t> op.t[s].itemsize != 0:
             snprintf(msg, cap, "%s: address %p is not aligned to the item size (%d bytes)",
-                     member_name(s), ptr[s], <int> op.t[s].itemsize)
+                     member_name(op, s), ptr[s], <int> op.t[s].itemsize)
             return BNBW_ERROR_ALIGNMENT
         if <uint64_t> op.t[s].minimum - 1 > <uint64_t> (<uintptr_t> -1 - a):
             snprintf(msg, cap, "%s: a buffer of %lld bytes at address %p runs past the end of "
-                     "the address space", member_name(s), <long long> op.t[s].minimum, ptr[s])
+                     "the address space", member_name(op, s), <long long> op.t[s].minimum,
+                     ptr[s])
             return BNBW_ERROR_ADDRESS
     if num_threads < 0:
         snprintf(msg, cap, "num_threads must be >= 0 (0 = the default), got %d", num_threads)
         return BNBW_ERROR_NUM_THREADS
-    for i in range(N_MEMBERS):
-        o = MEMBER_SLOTS[i]
+    for i in range(op.n_members):
+        o = op.members[i]
         if not is_output(o):
             continue
-        for j in range(N_MEMBERS):
-            s = MEMBER_SLOTS[j]
-            if j == i or (is_output(s) and j < i):
+        same = in_place_input(op.op, o)
+        for j in range(op.n_members):
+            s = op.members[j]
+            if j == i or (is_output(s) and j < i) or op.t[s].ndim == 0:
                 continue          # each pair of outputs once
             a = <uintptr_t> ptr[o]
             b = <uintptr_t> ptr[s]
             if not ranges_overlap(a, op.t[o].minimum, b, op.t[s].minimum):
                 continue
-            if o == S_DX and s == S_DY and a == b and op.in_place_ok:
+            if s == same and a == b and same_layout(&op.t[o], &op.t[s]):
                 continue          # in place: the very same layout at the very same address
-            if o == S_DX and s == S_DY:
-                snprintf(msg, cap, "output_gradient overlaps input_gradient (in place needs "
-                         "the same address and identical descriptors)")
+            if s == same:
+                snprintf(msg, cap, "%s overlaps %s (in place needs the same address and "
+                         "identical descriptors)", member_name(op, o), member_name(op, s))
             elif is_output(s):
                 snprintf(msg, cap, "%s overlaps %s; outputs must not overlap each other",
-                         member_name(o), member_name(s))
+                         member_name(op, o), member_name(op, s))
             else:
                 snprintf(msg, cap, "%s overlaps the input %s; output buffers must not "
-                         "overlap input buffers", member_name(o), member_name(s))
+                         "overlap input buffers", member_name(op, o), member_name(op, s))
             return BNBW_ERROR_OVERLAP
-    if engine_execute(&op.plan, <char **> ptr, op.op, <float> op.eps.value, 0.0, -1, NULL,
-                      num_threads) != BNBW_OK:
+    if op.op & OP_FORWARD:
+        ptr[S_DY] = ptr[S_X]          # the forward plans with x in dy's place
+    if engine_execute(&op.plan, <char **> ptr, op.op, <float> op.eps.value,
+                      <float> op.momentum.value, -1, NULL, num_threads) != BNBW_OK:
         snprintf(msg, cap, "out of memory for the reduction buffers")
         return BNBW_ERROR_OUT_OF_MEMORY
     return BNBW_OK
@@ -334,6 +405,7 @@ DATA_TYPES = {"float32": BNBW_DATA_TYPE_FLOAT32, "float16": BNBW_DATA_TYPE_FLOAT
               "bfloat16": BNBW_DATA_TYPE_BFLOAT16}
 OPERATOR_TYPES = {"grad": BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD,
                   "training_grad": BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD}
+OPERATOR_KINDS = ("grad", "training_grad", "training")
 
 
 cdef int64_t _int64(value, str what) except? -1:
@@ -401,32 +473,49 @@ cdef str _pointer_object(Py_buffer *view):
 
 
 cdef class Operator:
-    """A compiled operator: type "grad" or "training_grad", eight descriptor specs in member
-    order and the epsilon as given.  execute() binds buffers and runs it."""
+    """A compiled operator: type "grad", "training_grad" (eight descriptor specs in member order)
+    or "training" (ten, None for an absent scale or bias), the epsilon as given and, for
+    "training", the momentum and fuse_relu.  execute() binds buffers and runs it."""
     cdef OperatorImpl *impl
+    cdef tuple members
 
-    def __cinit__(self, str type, specs, epsilon):
-        cdef DescStore store[N_MEMBERS]
-        cdef bnbw_batch_normalization_grad_desc desc
-        cdef Epsilon eps
+    def __cinit__(self, str type, specs, epsilon, momentum=None, fuse_relu=False):
+        cdef DescStore store[N_TRAINING_MEMBERS]
+        cdef const bnbw_tensor_desc *descs[N_TRAINING_MEMBERS]
+        cdef bnbw_batch_normalization_grad_desc grad
+        cdef bnbw_batch_normalization_training_desc training
+        cdef Epsilon eps, m
         cdef char msg[MESSAGE_CAP]
         cdef bnbw_status rc
-        cdef int i, code = OPERATOR_TYPES[type]
+        cdef int i, code = 0
         self.impl = NULL
-        for i in range(N_MEMBERS):
-            _marshal(&store[i], specs[i], MEMBERS[i] + ": ")
-        desc.input = &store[0].desc
-        desc.input_gradient = &store[1].desc
-        desc.mean = &store[2].desc
-        desc.variance = &store[3].desc
-        desc.scale = &store[4].desc
-        desc.output_gradient = &store[5].desc
-        desc.output_scale_gradient = &store[6].desc
-        desc.output_bias_gradient = &store[7].desc
+        self.members = TRAINING_MEMBERS if type == "training" else MEMBERS
+        if type != "training":
+            code = OPERATOR_TYPES[type]
+        for i in range(len(self.members)):
+            descs[i] = NULL
+            if specs[i] is not None:
+                _marshal(&store[i], specs[i], self.members[i] + ": ")
+                descs[i] = &store[i].desc
         parse_real(epsilon, &eps, "epsilon")
-        desc.epsilon = <float> eps.value
-        with nogil:
-            rc = op_create(code, &desc, &eps, &self.impl, msg, MESSAGE_CAP)
+        if type == "training":
+            parse_real(momentum, &m, "momentum")
+            training.input, training.mean, training.variance = descs[0], descs[1], descs[2]
+            training.scale, training.bias, training.output = descs[3], descs[4], descs[5]
+            training.output_running_mean, training.output_running_variance = descs[6], descs[7]
+            training.output_batch_mean, training.output_batch_variance = descs[8], descs[9]
+            training.epsilon = <float> eps.value
+            training.momentum = <float> m.value
+            training.fuse_relu = bool(fuse_relu)
+            with nogil:
+                rc = op_create_training(&training, &eps, &m, &self.impl, msg, MESSAGE_CAP)
+        else:
+            grad.input, grad.input_gradient, grad.mean = descs[0], descs[1], descs[2]
+            grad.variance, grad.scale, grad.output_gradient = descs[3], descs[4], descs[5]
+            grad.output_scale_gradient, grad.output_bias_gradient = descs[6], descs[7]
+            grad.epsilon = <float> eps.value
+            with nogil:
+                rc = op_create(code, &grad, &eps, &self.impl, msg, MESSAGE_CAP)
         if rc != BNBW_OK:
             raise_status(rc, msg)
 
@@ -455,31 +544,44 @@ cdef class Operator:
         """The f32 epsilon, as a float."""
         return float(<float> self.impl.eps.value)
 
+    @property
+    def momentum(self):
+        """The f32 momentum, as a float (training only)."""
+        return float(<float> self.impl.momentum.value)
+
     def execute(self, buffers, num_threads):
-        """buffers: N_MEMBERS objects in member order, each a buffer-protocol object, a NumPy
-        array (any dtype, raw memory) or a positive int address; num_threads as given."""
-        cdef Py_buffer views[N_MEMBERS]
-        cdef bint held[N_MEMBERS]
+        """buffers: one per member in member order, each a buffer-protocol object, a NumPy
+        array (any dtype, raw memory) or a positive int address; None for a member the operator
+        was made without; num_threads as given."""
+        cdef Py_buffer views[N_TRAINING_MEMBERS]
+        cdef bint held[N_TRAINING_MEMBERS]
         cdef const void *ptr[N_SLOTS]
         cdef char msg[MESSAGE_CAP]
         cdef bnbw_status rc = BNBW_OK
         cdef int i, slot, threads = requested_threads(num_threads)
         cdef bint output
         cdef Py_ssize_t nbytes
-        keep = [None] * N_MEMBERS
-        for i in range(N_MEMBERS):
+        keep = [None] * self.impl.n_members
+        for i in range(N_TRAINING_MEMBERS):
             held[i] = False
         for i in range(N_SLOTS):
             ptr[i] = NULL
         try:
-            for i in range(N_MEMBERS):
+            for i in range(self.impl.n_members):
                 obj = buffers[i]
-                name = MEMBERS[i]
-                slot = MEMBER_SLOTS[i]
+                name = self.members[i]
+                slot = self.impl.members[i]
                 output = is_output(slot)
                 nbytes = -1
+                if obj is None and self.impl.t[slot].ndim == 0:
+                    continue
                 if isinstance(obj, (bool, np.bool_)):
                     raise TypeError(f"{name} must be a buffer or an int address, got bool")
+                if obj is None:
+                    raise TypeError(f"{name} must be a buffer or an int address, got None")
+                if self.impl.t[slot].ndim == 0:
+                    raise ValueError(f"{name}: the operator was made without it (its "
+                                     "descriptor was None), so its buffer must be None")
                 if isinstance(obj, numbers.Integral):
                     address = int(obj)
                     if not 0 < address <= POINTER_MAX:
@@ -529,7 +631,7 @@ cdef class Operator:
             with nogil:
                 rc = op_execute(self.impl, ptr, threads, msg, MESSAGE_CAP)
         finally:
-            for i in range(N_MEMBERS):
+            for i in range(N_TRAINING_MEMBERS):
                 if held[i]:
                     PyBuffer_Release(&views[i])
         if rc != BNBW_OK:

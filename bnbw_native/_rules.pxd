@@ -57,6 +57,7 @@ cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *m
 cdef bint ranges_overlap(uintptr_t a, uint64_t a_bytes, uintptr_t b,
                          uint64_t b_bytes) noexcept nogil
 cdef const char *type_text(int dtype) noexcept nogil
+cdef int in_place_input(int op, int output) noexcept nogil
 cdef void copy_name(char *dst, str text, size_t cap)
 cdef raise_status(bnbw_status rc, const char *msg)
 

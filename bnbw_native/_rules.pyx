@@ -361,7 +361,7 @@ cdef bnbw_status _check_output(const Rules *r, const Arg *a, int role, int want_
     return BNBW_ERROR_OVERLAP
 
 
-cdef int _in_place_input(int op, int output) noexcept nogil:
+cdef int in_place_input(int op, int output) noexcept nogil:
     """The input an output may be the very same view of (in place), or -1: the backward's dx and
     residual gradient over dy; the forward's y over x and running statistics over the old."""
     if op & OP_FORWARD:
@@ -378,7 +378,7 @@ cdef int _in_place_input(int op, int output) noexcept nogil:
 cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg,
                                  size_t cap) noexcept nogil:
     """Outputs apart from each other and from every input, except each output's in-place
-    input (_in_place_input) when it is the very same view."""
+    input (in_place_input) when it is the very same view."""
     cdef int outputs[8]
     cdef int inputs[7]
     cdef int i, j, o, k, rc, same
@@ -389,7 +389,7 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
         o = outputs[i]
         if not a[o].present or a[o].data == NULL:
             continue
-        same = _in_place_input(op, o)
+        same = in_place_input(op, o)
         for j in range(i + 1, 8):
             k = outputs[j]
             if a[k].present and a[k].data != NULL and _may_share(&a[o], &a[k]) != 0:
@@ -563,16 +563,26 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
     return _check_overlaps(r, a, op, msg, cap)
 
 
-cdef bnbw_status _check_directml(const Rules *r, Arg *a, const Epsilon *eps, int64_t *channels,
-                                 char *msg, size_t cap) noexcept nogil:
-    """DirectML: eight tensors of one data type and dimension count; reduced dims are those
-    where mean's size is 1, every other dim equals the input's."""
-    cdef int members[8]
+cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *eps,
+                                 const Epsilon *momentum, int64_t *channels, char *msg,
+                                 size_t cap) noexcept nogil:
+    """DirectML: the operator's tensors share one data type and dimension count; the big ones
+    the input's sizes, the per-channel ones mean's, whose sizes are 1 on the summed dims and the
+    input's on the others."""
+    cdef int members[14]
     cdef int i, d, m
     cdef const Arg *x = &a[S_X]
+    cdef const char *big_text = "input, input_gradient and output_gradient"
+    cdef const char *stat_text = ("mean, variance, scale, output_scale_gradient and "
+                                  "output_bias_gradient")
     cdef bnbw_status rc
-    members[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_DX, S_DSCALE, S_DBIAS]
-    for i in range(8):
+    if op & OP_FORWARD:
+        big_text = "input and output"
+        stat_text = "mean, variance, scale, bias and the four statistics outputs"
+    # in descriptor order: the inputs, then the outputs
+    members[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_DX, S_DSCALE, S_DBIAS,
+                  S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, -1]
+    for i in range(13):
         if a[members[i]].present:
             rc = _kind(r, &a[members[i]], members[i], msg, cap)
             if rc != BNBW_OK:
@@ -581,27 +591,27 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, const Epsilon *eps, int
         snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
                  r.min_rank, r.max_rank, x.ndim)
         return BNBW_ERROR_DIMENSION_COUNT
-    for i in range(1, 8):
+    for i in range(1, 13):
         m = members[i]
         if a[m].present and a[m].dtype != x.dtype:
             snprintf(msg, cap, "%s: data_type %s differs from input's %s; all tensors share "
                      "one data type", r.labels[m], a[m].type_name, x.type_name)
             return BNBW_ERROR_DATA_TYPE
-    for i in range(1, 8):
+    for i in range(1, 13):
         m = members[i]
         if a[m].present and a[m].ndim != x.ndim:
             snprintf(msg, cap, "%s: sizes have %d dimensions, input's %d; all tensors share "
                      "one dimension count", r.labels[m], a[m].ndim, x.ndim)
             return BNBW_ERROR_DIMENSION_COUNT
-    for i in range(1, 8):
+    for i in range(1, 13):
         m = members[i]
         if not a[m].present or (m != S_DY and m != S_DX):
             continue
         for d in range(x.ndim):
             if a[m].shape[d] != x.shape[d]:
-                snprintf(msg, cap, "%s: sizes[%d] is %lld, input's is %lld; input, "
-                         "input_gradient and output_gradient share sizes", r.labels[m], d,
-                         <long long> a[m].shape[d], <long long> x.shape[d])
+                snprintf(msg, cap, "%s: sizes[%d] is %lld, input's is %lld; %s share sizes",
+                         r.labels[m], d, <long long> a[m].shape[d], <long long> x.shape[d],
+                         big_text)
                 return BNBW_ERROR_SIZES
     for d in range(x.ndim):
         if a[S_MEAN].shape[d] != 1 and a[S_MEAN].shape[d] != x.shape[d]:
@@ -609,16 +619,15 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, const Epsilon *eps, int
                      "%lld", r.names[S_MEAN], d, <long long> x.shape[d],
                      <long long> a[S_MEAN].shape[d])
             return BNBW_ERROR_SIZES
-    for i in range(3, 8):
+    for i in range(3, 13):
         m = members[i]
         if not a[m].present or m == S_DX:
             continue
         for d in range(x.ndim):
             if a[m].shape[d] != a[S_MEAN].shape[d]:
-                snprintf(msg, cap, "%s: sizes[%d] is %lld, mean's is %lld; mean, variance, "
-                         "scale, output_scale_gradient and output_bias_gradient share sizes",
+                snprintf(msg, cap, "%s: sizes[%d] is %lld, mean's is %lld; %s share sizes",
                          r.labels[m], d, <long long> a[m].shape[d],
-                         <long long> a[S_MEAN].shape[d])
+                         <long long> a[S_MEAN].shape[d], stat_text)
                 return BNBW_ERROR_SIZES
     channels[0] = 1
     for d in range(x.ndim):
@@ -627,13 +636,23 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, const Epsilon *eps, int
         rc = check_epsilon_value(r, eps, msg, cap)
         if rc != BNBW_OK:
             return rc
-    for i in range(5, 8):
+    if momentum != NULL:
+        rc = _check_momentum(r, momentum, msg, cap)
+        if rc != BNBW_OK:
+            return rc
+    for i in range(1, 13):
         m = members[i]
-        if a[m].present:
+        if a[m].present and _is_output(m):
             rc = _check_output(r, &a[m], m, x.dtype, a[m].ndim, a[m].shape, msg, cap)
             if rc != BNBW_OK:
                 return rc
     return BNBW_OK
+
+
+cdef bint _is_output(int slot) noexcept nogil:
+    return (slot == S_DX or slot == S_DSCALE or slot == S_DBIAS or slot == S_DRES
+            or slot == S_RUN_MEAN or slot == S_RUN_VAR or slot == S_BATCH_MEAN
+            or slot == S_BATCH_VAR)
 
 
 cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
@@ -644,7 +663,7 @@ cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsi
     without an address yet (descriptors, or arrays the layer allocates) are checked for their
     layout only.  BNBW_OK with C in *channels, or the refusal with its message in msg."""
     if r.family == FAMILY_DIRECTML:
-        return _check_directml(r, a, eps, channels, msg, cap)
+        return _check_directml(r, a, op, eps, momentum, channels, msg, cap)
     return _check_arrays(r, a, op, axis, eps, momentum, count, channels, msg, cap)
 
 

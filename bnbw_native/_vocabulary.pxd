@@ -128,6 +128,31 @@ cdef extern from "bnbw_native.h" nogil:
         const bnbw_tensor_desc *output_scale_gradient
         const bnbw_tensor_desc *output_bias_gradient
         float epsilon
+    ctypedef struct bnbw_batch_normalization_training_desc:
+        const bnbw_tensor_desc *input
+        const bnbw_tensor_desc *mean
+        const bnbw_tensor_desc *variance
+        const bnbw_tensor_desc *scale
+        const bnbw_tensor_desc *bias
+        const bnbw_tensor_desc *output
+        const bnbw_tensor_desc *output_running_mean
+        const bnbw_tensor_desc *output_running_variance
+        const bnbw_tensor_desc *output_batch_mean
+        const bnbw_tensor_desc *output_batch_variance
+        float epsilon
+        float momentum
+        int fuse_relu
+    ctypedef struct bnbw_training_bindings:
+        const void *input
+        const void *mean
+        const void *variance
+        const void *scale
+        const void *bias
+        void *output
+        void *output_running_mean
+        void *output_running_variance
+        void *output_batch_mean
+        void *output_batch_variance
     ctypedef struct bnbw_bindings:
         const void *input
         const void *input_gradient
@@ -171,6 +196,10 @@ cdef extern from "bnbw_native.h" nogil:
         void (*destroy_operator)(bnbw_operator *) noexcept nogil
         const char *(*error_message)() noexcept nogil
         const char *(*status_name)(bnbw_status) noexcept nogil
+        bnbw_status (*create_training_operator)(
+            const bnbw_batch_normalization_training_desc *, bnbw_operator **) noexcept nogil
+        bnbw_status (*execute_training)(const bnbw_operator *, const bnbw_training_bindings *,
+                                        int) noexcept nogil
     enum: BNBW_API_VERSION
     const char *BNBW_CAPSULE_NAME
 

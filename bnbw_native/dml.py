@@ -35,6 +35,7 @@ __all__ = [
     "TensorDesc",
     "BatchNormalizationGrad",
     "BatchNormalizationTrainingGrad",
+    "BatchNormalizationTraining",
     "batch_normalization_grad",
     "batch_normalization_training_grad",
 ]
@@ -187,31 +188,20 @@ class _Operator:
     """An operator compiled once; execute() binds memory and runs it (GIL released)."""
 
     _type = None
+    _optional = ()
     feature_level = None
 
-    def __init__(self, *, input, input_gradient, mean, variance, scale, output_gradient,
-                 output_scale_gradient, output_bias_gradient, epsilon):
-        descs = (input, input_gradient, mean, variance, scale, output_gradient,
-                 output_scale_gradient, output_bias_gradient)
-        for name, desc in zip(MEMBERS, descs):
+    def _compile(self, descs, epsilon, **options):
+        """Check and plan once: descs maps member names, in member order, to descriptors."""
+        for name, desc in descs.items():
+            if desc is None and name in self._optional:
+                continue
             if not isinstance(desc, TensorDesc):
                 raise TypeError(f"{name} must be a bnbw_native.dml.TensorDesc, got "
                                 f"{type(desc).__name__}")
-        self._op = _directml.Operator(self._type, [d._spec() for d in descs], epsilon)
-        self._descs = dict(zip(MEMBERS, descs))
-
-    def execute(self, *, input, input_gradient, mean, variance, scale, output_gradient,
-                output_scale_gradient, output_bias_gradient, num_threads=None):
-        """Bind one buffer per member and run.
-
-        Each buffer: a buffer-protocol object (bytes, bytearray, memoryview, ctypes array, NumPy
-        array of any dtype, read as raw contiguous memory; writable for the outputs) holding at
-        least the descriptor's minimum size, or a positive int address (trusted).  Output
-        buffers must not overlap each other nor the inputs, except output_gradient over
-        input_gradient with identical descriptors (in place).  Returns None."""
-        buffers = (input, input_gradient, mean, variance, scale, output_gradient,
-                   output_scale_gradient, output_bias_gradient)
-        self._op.execute(buffers, num_threads)
+        self._op = _directml.Operator(self._type, [None if d is None else d._spec()
+                                                   for d in descs.values()], epsilon, **options)
+        self._descs = descs
 
     @property
     def epsilon(self):
@@ -240,7 +230,27 @@ class _Operator:
         return f"{type(self).__name__}({members}, epsilon={self.epsilon!r})"
 
 
-class BatchNormalizationGrad(_Operator):
+class _GradOperator(_Operator):
+    def __init__(self, *, input, input_gradient, mean, variance, scale, output_gradient,
+                 output_scale_gradient, output_bias_gradient, epsilon):
+        self._compile(dict(zip(MEMBERS, (input, input_gradient, mean, variance, scale,
+                                         output_gradient, output_scale_gradient,
+                                         output_bias_gradient))), epsilon)
+
+    def execute(self, *, input, input_gradient, mean, variance, scale, output_gradient,
+                output_scale_gradient, output_bias_gradient, num_threads=None):
+        """Bind one buffer per member and run.
+
+        Each buffer: a buffer-protocol object (bytes, bytearray, memoryview, ctypes array, NumPy
+        array of any dtype, read as raw contiguous memory; writable for the outputs) holding at
+        least the descriptor's minimum size, or a positive int address (trusted).  Output
+        buffers must not overlap each other nor the inputs, except output_gradient over
+        input_gradient with identical descriptors (in place).  Returns None."""
+        buffers = (input, input_gradient, mean, variance, scale, output_gradient,
+                   output_scale_gradient, output_bias_gradient)
+        self._op.execute(buffers, num_threads)
+
+class BatchNormalizationGrad(_GradOperator):
     """``DML_OPERATOR_BATCH_NORMALIZATION_GRAD`` (DML_FEATURE_LEVEL_3_1): frozen statistics.
 
     With r = 1/sqrt(variance + epsilon), sums over the dims where mean's size is 1:
@@ -252,7 +262,7 @@ class BatchNormalizationGrad(_Operator):
     feature_level = "DML_FEATURE_LEVEL_3_1"
 
 
-class BatchNormalizationTrainingGrad(_Operator):
+class BatchNormalizationTrainingGrad(_GradOperator):
     """``DML_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD`` (DML_FEATURE_LEVEL_4_1): the training
     gradient, through the batch statistics (mean is used).
 
@@ -262,6 +272,53 @@ class BatchNormalizationTrainingGrad(_Operator):
 
     _type = "training_grad"
     feature_level = "DML_FEATURE_LEVEL_4_1"
+
+
+class BatchNormalizationTraining(_Operator):
+    """The training forward over descriptors (oneDNN Graph's ``BatchNormForwardTraining``; the
+    C API's create_training_operator), with M elements summed per statistics element and
+    m = momentum, the weight of the OLD running statistics:
+
+    output_batch_mean = sum(input) / M;  output_batch_variance = sum((input - batch_mean)^2) / M;
+    output = scale * (input - batch_mean) / sqrt(batch_variance + epsilon) + bias (then ReLU
+    when fuse_relu, NaN kept);  output_running_mean = m * mean + (1 - m) * batch_mean, and the
+    variance alike.  scale and bias may be None (1 and 0).  Descriptors as for the gradient
+    operators: one data type, input and output one set of sizes, the per-channel ones mean's."""
+
+    _type = "training"
+    _optional = ("scale", "bias")
+
+    def __init__(self, *, input, mean, variance, output, output_running_mean,
+                 output_running_variance, output_batch_mean, output_batch_variance, scale=None,
+                 bias=None, epsilon, momentum=0.5, fuse_relu=False):
+        if not isinstance(fuse_relu, (bool, np.bool_)):
+            raise TypeError(f"fuse_relu must be True or False, got {type(fuse_relu).__name__}")
+        self._compile(dict(zip(_directml.TRAINING_MEMBERS, (
+            input, mean, variance, scale, bias, output, output_running_mean,
+            output_running_variance, output_batch_mean, output_batch_variance))), epsilon,
+            momentum=momentum, fuse_relu=bool(fuse_relu))
+        self._fuse_relu = bool(fuse_relu)
+
+    def execute(self, *, input, mean, variance, output, output_running_mean,
+                output_running_variance, output_batch_mean, output_batch_variance, scale=None,
+                bias=None, num_threads=None):
+        """Bind one buffer per member (None for a scale or bias the operator was made without)
+        and run.  Buffers as for the gradient operators; outputs may not overlap each other nor
+        the inputs, except output over input, output_running_mean over mean and
+        output_running_variance over variance, each at the same address with identical
+        descriptors (in place).  Returns None."""
+        self._op.execute((input, mean, variance, scale, bias, output, output_running_mean,
+                          output_running_variance, output_batch_mean, output_batch_variance),
+                         num_threads)
+
+    @property
+    def momentum(self):
+        """The f32 momentum, as a float."""
+        return self._op.momentum
+
+    @property
+    def fuse_relu(self):
+        return self._fuse_relu
 
 
 # ---- array conveniences -------------------------------------------------------------------

@@ -7,6 +7,7 @@ __all__ = [
     "TensorDesc",
     "BatchNormalizationGrad",
     "BatchNormalizationTrainingGrad",
+    "BatchNormalizationTraining",
     "batch_normalization_grad",
     "batch_normalization_training_grad",
 ]
@@ -56,6 +57,14 @@ class _Operator:
     """An operator compiled once; execute() binds memory and runs it (GIL released)."""
 
     feature_level: ClassVar[str | None]
+    @property
+    def epsilon(self) -> float: ...
+    @property
+    def plan_kind(self) -> Literal["channel-last", "channel-major", "empty"]: ...
+    @property
+    def count(self) -> int: ...
+
+class _GradOperator(_Operator):
     input: TensorDesc
     input_gradient: TensorDesc
     mean: TensorDesc
@@ -90,17 +99,59 @@ class _Operator:
         output_bias_gradient: _Buffer,
         num_threads: int | None = None,
     ) -> None: ...
-    @property
-    def epsilon(self) -> float: ...
-    @property
-    def plan_kind(self) -> Literal["channel-last", "channel-major", "empty"]: ...
-    @property
-    def count(self) -> int: ...
 
-class BatchNormalizationGrad(_Operator):
+class BatchNormalizationTraining(_Operator):
+    input: TensorDesc
+    mean: TensorDesc
+    variance: TensorDesc
+    scale: TensorDesc | None
+    bias: TensorDesc | None
+    output: TensorDesc
+    output_running_mean: TensorDesc
+    output_running_variance: TensorDesc
+    output_batch_mean: TensorDesc
+    output_batch_variance: TensorDesc
+    def __init__(
+        self,
+        *,
+        input: TensorDesc,
+        mean: TensorDesc,
+        variance: TensorDesc,
+        output: TensorDesc,
+        output_running_mean: TensorDesc,
+        output_running_variance: TensorDesc,
+        output_batch_mean: TensorDesc,
+        output_batch_variance: TensorDesc,
+        scale: TensorDesc | None = None,
+        bias: TensorDesc | None = None,
+        epsilon: float | np.floating[Any],
+        momentum: float | np.floating[Any] = 0.5,
+        fuse_relu: bool | np.bool_ = False,
+    ) -> None: ...
+    def execute(
+        self,
+        *,
+        input: _Buffer,
+        mean: _Buffer,
+        variance: _Buffer,
+        output: _Buffer,
+        output_running_mean: _Buffer,
+        output_running_variance: _Buffer,
+        output_batch_mean: _Buffer,
+        output_batch_variance: _Buffer,
+        scale: _Buffer | None = None,
+        bias: _Buffer | None = None,
+        num_threads: int | None = None,
+    ) -> None: ...
+    @property
+    def momentum(self) -> float: ...
+    @property
+    def fuse_relu(self) -> bool: ...
+
+class BatchNormalizationGrad(_GradOperator):
     """``DML_OPERATOR_BATCH_NORMALIZATION_GRAD`` (DML_FEATURE_LEVEL_3_1): frozen statistics."""
 
-class BatchNormalizationTrainingGrad(_Operator):
+class BatchNormalizationTrainingGrad(_GradOperator):
     """``DML_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD`` (DML_FEATURE_LEVEL_4_1): training."""
 
 def batch_normalization_grad(

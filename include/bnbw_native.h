@@ -14,6 +14,16 @@
  *       output_gradient = scale * r * (input_gradient - output_bias_gradient / M
  *                                      - (input - mean) * r * output_scale_gradient / M)
  *
+ * and, over the same kind of descriptors, the training forward (oneDNN Graph's
+ * BatchNormForwardTraining; create_training_operator, execute_training): with M elements summed
+ * per statistics element, m = momentum (the weight of the OLD running statistics),
+ *       output_batch_mean       = sum(input) / M
+ *       output_batch_variance   = sum((input - batch_mean)^2) / M            (biased)
+ *       output                  = scale * (input - batch_mean) / sqrt(batch_variance + epsilon)
+ *                                 + bias                      (then max(., 0), NaN kept, if fused)
+ *       output_running_mean     = m * mean + (1 - m) * batch_mean
+ *       output_running_variance = m * variance + (1 - m) * batch_variance
+ *
  * Sums run over the dims where the mean/variance/scale sizes are 1 (any set of dims).
  *
  * The library is the Python extension module bnbw_native._capi; it exports a table of function
@@ -50,7 +60,7 @@ extern "C" {
 
 /* Version of the table layout.  Fields are only ever appended; bnbw_import() refuses a library
  * whose table is older than the header. */
-#define BNBW_API_VERSION 1
+#define BNBW_API_VERSION 2
 #define BNBW_MAX_DIMENSIONS 8
 #define BNBW_CAPSULE_NAME "bnbw_native._capi._C_API"
 
@@ -94,6 +104,26 @@ typedef struct bnbw_batch_normalization_grad_desc {
     float epsilon;                       /* finite and > 0 */
 } bnbw_batch_normalization_grad_desc;
 
+/* The training forward.  All tensors share data_type and dimension_count; input and output share
+ * sizes; mean, variance, scale, bias and the four statistics outputs share sizes, each 1 (a
+ * summed dim) or the input's.  scale and bias may be NULL (1 and 0).  Output descriptors must
+ * not make two elements share memory. */
+typedef struct bnbw_batch_normalization_training_desc {
+    const bnbw_tensor_desc *input;
+    const bnbw_tensor_desc *mean;                    /* the running mean before this step */
+    const bnbw_tensor_desc *variance;                /* the running variance before this step */
+    const bnbw_tensor_desc *scale;                   /* NULL: 1 */
+    const bnbw_tensor_desc *bias;                    /* NULL: 0 */
+    const bnbw_tensor_desc *output;
+    const bnbw_tensor_desc *output_running_mean;
+    const bnbw_tensor_desc *output_running_variance;
+    const bnbw_tensor_desc *output_batch_mean;
+    const bnbw_tensor_desc *output_batch_variance;
+    float epsilon;                                   /* finite and > 0 */
+    float momentum;                                  /* in [0, 1] */
+    int fuse_relu;                                   /* nonzero: a ReLU after the output */
+} bnbw_batch_normalization_training_desc;
+
 /* The memory of one execution: each pointer is the first byte of its tensor, aligned to the
  * item size, holding at least the descriptor's minimum size.  Output buffers must not overlap
  * each other nor any input buffer, except output_gradient == input_gradient with identical
@@ -109,6 +139,23 @@ typedef struct bnbw_bindings {
     void *output_bias_gradient;
 } bnbw_bindings;
 
+/* ... of the training forward: scale and bias NULL exactly when the operator was made without
+ * them.  Outputs may not overlap each other nor any input, except output over input,
+ * output_running_mean over mean and output_running_variance over variance, each at the same
+ * address with identical descriptors (in place). */
+typedef struct bnbw_training_bindings {
+    const void *input;
+    const void *mean;
+    const void *variance;
+    const void *scale;
+    const void *bias;
+    void *output;
+    void *output_running_mean;
+    void *output_running_variance;
+    void *output_batch_mean;
+    void *output_batch_variance;
+} bnbw_training_bindings;
+
 typedef enum bnbw_status {
     BNBW_OK = 0,
     BNBW_ERROR_NULL_POINTER = 1,      /* a required pointer is NULL */
@@ -118,10 +165,10 @@ typedef enum bnbw_status {
     BNBW_ERROR_STRIDES = 5,           /* a negative stride, or strides too large */
     BNBW_ERROR_TOTAL_SIZE = 6,        /* total_tensor_size_in_bytes below the minimum size */
     BNBW_ERROR_OVERLAP = 7,           /* an output overlapping itself or another buffer */
-    BNBW_ERROR_EPSILON = 8,           /* not finite and > 0 */
+    BNBW_ERROR_EPSILON = 8,           /* not finite and > 0; a momentum outside [0, 1] */
     BNBW_ERROR_NUM_THREADS = 9,       /* negative */
     BNBW_ERROR_ALIGNMENT = 10,        /* a buffer address not a multiple of the item size */
-    BNBW_ERROR_OPERATOR_TYPE = 11,    /* not a bnbw_operator_type */
+    BNBW_ERROR_OPERATOR_TYPE = 11,    /* not a bnbw_operator_type, or the other kind's execute */
     BNBW_ERROR_OUT_OF_MEMORY = 12,
     BNBW_ERROR_ADDRESS = 13           /* a buffer's bytes run past the end of the address space */
 } bnbw_status;
@@ -154,6 +201,12 @@ typedef struct bnbw_api_table {
     const char *(*error_message)(void);
     /* The enumerator's name without the prefix, e.g. "ERROR_OVERLAP". */
     const char *(*status_name)(bnbw_status status);
+    /* Version 2: the training forward.  As create_operator and execute; destroy_operator
+     * releases it too. */
+    bnbw_status (*create_training_operator)(const bnbw_batch_normalization_training_desc *desc,
+                                            bnbw_operator **op);
+    bnbw_status (*execute_training)(const bnbw_operator *op,
+                                    const bnbw_training_bindings *bindings, int num_threads);
 } bnbw_api_table;
 
 #ifndef BNBW_NATIVE_NO_IMPORT

@@ -31,7 +31,7 @@ DATA_TYPE = {"float32": 1, "float16": 2, "bfloat16": 3}          # bnbw_data_typ
 OPERATOR = {"frozen": 1, "training": 2}                          # bnbw_operator_type
 STATUS = {"OK": 0, "NULL_POINTER": 1, "DATA_TYPE": 2, "DIMENSION_COUNT": 3, "SIZES": 4,
           "STRIDES": 5, "TOTAL_SIZE": 6, "OVERLAP": 7, "EPSILON": 8, "NUM_THREADS": 9,
-          "ALIGNMENT": 10, "OPERATOR_TYPE": 11, "OUT_OF_MEMORY": 12}
+          "ALIGNMENT": 10, "OPERATOR_TYPE": 11, "OUT_OF_MEMORY": 12, "ADDRESS": 13}
 
 
 def c_compiler():
@@ -292,3 +292,94 @@ def test_capsule():
     assert type(_capi._C_API).__name__ == "PyCapsule"
     assert "bnbw_native._capi._C_API" in repr(_capi._C_API)
     assert sys.modules["bnbw_native._capi"] is _capi
+
+
+# ---- the training forward -------------------------------------------------------------------
+
+TRAINING_EXPECTED = {
+    "create: desc NULL": ("NULL_POINTER", "desc"),
+    "create: out pointer NULL": ("NULL_POINTER", "op"),
+    "create: mean NULL": ("NULL_POINTER", "mean: the tensor descriptor pointer is NULL"),
+    "create: batch variance sizes": ("SIZES", "output_batch_variance: sizes[3] is 2"),
+    "create: momentum above 1": ("EPSILON", "momentum must be finite and in [0, 1]"),
+    "create: momentum NaN": ("EPSILON", "momentum"),
+    "create: epsilon 0": ("EPSILON", "epsilon"),
+    "create: op NULL after refusals": ("OK", None),
+    "ok: create": ("OK", None),
+    "ok: create gradient": ("OK", None),
+    "execute: bindings NULL": ("NULL_POINTER", "bindings"),
+    "execute: scale given to an operator made without it": ("NULL_POINTER",
+                                                             "scale: the operator was made"),
+    "execute: output_running_mean over variance": ("OVERLAP",
+                                                   "output_running_mean overlaps the input "
+                                                   "variance"),
+    "execute: output overlaps input": ("OVERLAP", "output overlaps input"),
+    "execute: a gradient operator": ("OPERATOR_TYPE", "run it with execute"),
+    "execute: the training operator through execute": ("OPERATOR_TYPE", "execute_training"),
+    "ok: execute": ("OK", None),
+    "ok: execute in place": ("OK", None),
+}
+
+
+@pytest.fixture(scope="module")
+def training_refusals(example):
+    return {name: (status, message) for name, status, message in example.training_errors()}
+
+
+def test_every_training_case_ran(training_refusals):
+    assert set(training_refusals) == set(TRAINING_EXPECTED)
+
+
+@pytest.mark.parametrize("case", sorted(TRAINING_EXPECTED))
+def test_training_refusal(training_refusals, case):
+    status, message = training_refusals[case]
+    want_status, want_text = TRAINING_EXPECTED[case]
+    assert status == STATUS[want_status], (case, status, message)
+    if want_text is not None:
+        assert want_text in message, message
+
+
+def _nhwc(rng, N, C, H, W, dtype):
+    """NCHW sizes over NHWC memory: the bytes, the element strides, the logical NCHW array."""
+    x = (2 + rng.standard_normal((N, H, W, C))).astype(dtype)
+    return x.tobytes(), (H * W * C, 1, W * C, C), x.transpose(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16"]
+                         + (["bfloat16"] if ml_dtypes is not None else []))
+@pytest.mark.parametrize("affine", [True, False], ids=["scale-bias", "none"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in-place"])
+def test_training_forward_through_c_equals_the_array_front_end(example, rng, dtype_name, affine,
+                                                               in_place):
+    """The C operator and bnbw_native.batchnorm_training_forward run the same engine: the same
+    bits, on NCHW sizes over NHWC memory with DirectML-shaped statistics."""
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    N, C, H, W = 3, 5, 4, 6
+    raw, strides, x = _nhwc(rng, N, C, H, W, dtype)
+    stats = [a.astype(dtype) for a in (rng.standard_normal(C), 0.5 + rng.random(C),
+                                       rng.standard_normal(C), rng.standard_normal(C))]
+    if not affine:
+        stats[2:] = [None, None]
+    got = example.training(DATA_TYPE[dtype_name], (N, C, H, W), strides, (1, C, 1, 1), raw,
+                           stats[0].tobytes(), stats[1].tobytes(),
+                           None if stats[2] is None else stats[2].tobytes(),
+                           None if stats[3] is None else stats[3].tobytes(), EPS, 0.75, 1, 2,
+                           in_place)
+    want = None
+    if dtype_name != "float16":    # the array front-end takes f32 statistics with f16 data
+        want = bnbw_native.batchnorm_training_forward(
+            np.ascontiguousarray(x.transpose(0, 2, 3, 1)), *stats, epsilon=EPS, momentum=0.75,
+            fuse_relu=True)
+    y = np.frombuffer(got[0], dtype).reshape(N, H, W, C)
+    c_stats = [np.frombuffer(b, dtype) for b in got[1:]]
+    ref = bnbw_native.reference.forward(x, *(None if s is None else s.reshape(1, C, 1, 1)
+                                             for s in stats), epsilon=EPS, momentum=0.75,
+                                        reduce_axes=(0, 2, 3), relu=True)
+    tol = {"float32": 3e-6, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype_name]
+    assert np.allclose(y.transpose(0, 3, 1, 2).astype(np.float64), ref[0], rtol=tol, atol=tol)
+    for g, r in zip(c_stats, ref[1:]):
+        assert np.allclose(g.astype(np.float64), r.reshape(-1), rtol=tol, atol=tol * 1e-3)
+    if want is not None:
+        assert np.array_equal(y.view(np.uint8), want.dst.view(np.uint8))
+        for g, w in zip(c_stats, want[1:]):
+            assert np.array_equal(g.view(np.uint8), w.view(np.uint8))

@@ -443,3 +443,66 @@ def test_threads_above_the_cpus_run_on_the_cpus():
         assert _engine.threads_for(10 ** 4) == _engine.cpu_count()
     finally:
         _engine.set_cpu_model(64)
+
+
+# ---------------------------------------------------------------------------- DirectML descriptors
+
+def _training_operator(sizes, strides, C, **kw):
+    from bnbw_native import dml
+    big = dml.TensorDesc("float32", sizes, strides=strides)
+    stat = dml.TensorDesc("float32", (1, C) + (1,) * (len(sizes) - 2))
+    members = dict(input=big, mean=stat, variance=stat, output=big, output_running_mean=stat,
+                   output_running_variance=stat, output_batch_mean=stat,
+                   output_batch_variance=stat)
+    members.update(kw.pop("members", {}))
+    return dml.BatchNormalizationTraining(**members, epsilon=EPS, **kw)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_descriptor_operator_runs_the_same_forward(rng, affine):
+    """dml.BatchNormalizationTraining (the C API's training operator) on NCHW sizes over NHWC
+    memory gives the bits of the array front-end."""
+    from bnbw_native import dml
+    N, C, H, W = 4, 6, 5, 7
+    x, (mean, var, gamma, beta) = problem(rng, (N, H, W, C), "NXC", np.float32)
+    extra = {}
+    if affine:
+        stat = dml.TensorDesc("float32", (1, C, 1, 1))
+        extra = dict(members=dict(scale=stat, bias=stat))
+    op = _training_operator((N, C, H, W), (H * W * C, 1, W * C, C), C, momentum=0.8,
+                            fuse_relu=True, **extra)
+    assert op.plan_kind == "channel-last" and op.count == N * H * W
+    assert op.momentum == float(np.float32(0.8)) and op.fuse_relu
+    out = [np.empty_like(x)] + [np.empty(C, np.float32) for _ in range(4)]
+    op.execute(input=x, mean=mean, variance=var, scale=gamma if affine else None,
+               bias=beta if affine else None, output=out[0], output_running_mean=out[1],
+               output_running_variance=out[2], output_batch_mean=out[3],
+               output_batch_variance=out[4])
+    want = bn.batchnorm_training_forward(x, mean, var, gamma if affine else None,
+                                         beta if affine else None, epsilon=EPS, momentum=0.8,
+                                         fuse_relu=True)
+    assert bits(out) == bits(want)
+
+
+def test_the_descriptor_operator_refuses_with_member_names():
+    from bnbw_native import dml
+    with pytest.raises(ValueError, match="momentum"):
+        _training_operator((2, 3, 4), None, 3, momentum=1.25)
+    with pytest.raises(ValueError, match="output_batch_mean: sizes"):
+        _training_operator((2, 3, 4), None, 3,
+                           members=dict(output_batch_mean=dml.TensorDesc("float32", (1, 3, 4))))
+    with pytest.raises(TypeError, match="fuse_relu"):
+        _training_operator((2, 3, 4), None, 3, fuse_relu="yes")
+    op = _training_operator((2, 3, 4), None, 3)
+    x = np.ones((2, 3, 4), np.float32)
+    s = [np.ones(3, np.float32) for _ in range(6)]
+    with pytest.raises(ValueError, match="scale: the operator was made without it"):
+        op.execute(input=x, mean=s[0], variance=s[1], scale=s[2], output=np.empty_like(x),
+                   output_running_mean=s[3], output_running_variance=s[4],
+                   output_batch_mean=s[5], output_batch_variance=np.empty(3, np.float32))
+    y = np.full_like(x, 7)
+    with pytest.raises(ValueError, match="output_running_mean overlaps the input variance"):
+        op.execute(input=x, mean=s[0], variance=s[1], output=y, output_running_mean=s[1],
+                   output_running_variance=s[4], output_batch_mean=s[5],
+                   output_batch_variance=np.empty(3, np.float32))
+    assert (y == 7).all()

@@ -5,7 +5,8 @@
  * what it returns against the float64 reference.  `demo` is the walk-through: strided tensors
  * in malloc'd memory, both operators, no GIL held while they run.  `run` does the same for any
  * layout the test chooses, `errors` collects the status of refused calls, `concurrent` executes
- * one operator from several threads at once.
+ * one operator from several threads at once.  `training` runs the training forward on raw
+ * memory, `training_errors` collects its refusals.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -213,6 +214,100 @@ done:
     return result;
 }
 
+/* ---- the training forward ---------------------------------------------------------------- */
+
+/* training(data_type, sizes, strides or None, stats_sizes, x, mean, variance, scale or None,
+ *          bias or None, epsilon, momentum, fuse_relu, num_threads, in_place)
+ * -> (output, output_running_mean, output_running_variance, output_batch_mean,
+ *     output_batch_variance) as raw bytes.  in_place: output over input and the running
+ * statistics over mean and variance.  Every buffer is malloc'd here. */
+static PyObject *training(PyObject *self, PyObject *args)
+{
+    const bnbw_api_table *api = bnbw_api;
+    int data_type, fuse_relu, num_threads, in_place;
+    float epsilon, momentum;
+    PyObject *sizes_obj, *strides_obj, *stat_sizes_obj, *opt[2], *result = NULL;
+    Py_buffer in[5];
+    int held[5] = {0};
+    int64_t sizes[8], strides[8], ssizes[8];
+    uint32_t ndim, sndim, i;
+    uint64_t big_min = 0, stat_min = 0;
+    void *mem[10] = {NULL};
+    bnbw_operator *op = NULL;
+    bnbw_status status;
+
+    if (!PyArg_ParseTuple(args, "iOOOy*y*y*OOffiii", &data_type, &sizes_obj, &strides_obj,
+                          &stat_sizes_obj, &in[0], &in[1], &in[2], &opt[0], &opt[1], &epsilon,
+                          &momentum, &fuse_relu, &num_threads, &in_place))
+        return NULL;
+    held[0] = held[1] = held[2] = 1;
+    for (i = 0; i < 2; ++i)
+        if (opt[i] != Py_None) {
+            if (PyObject_GetBuffer(opt[i], &in[3 + i], PyBUF_SIMPLE) < 0)
+                goto done;
+            held[3 + i] = 1;
+        }
+    if (read_int64s(sizes_obj, sizes, &ndim) < 0
+        || (strides_obj != Py_None && read_int64s(strides_obj, strides, &i) < 0)
+        || read_int64s(stat_sizes_obj, ssizes, &sndim) < 0)
+        goto done;
+    bnbw_tensor_desc big = {(bnbw_data_type)data_type, ndim, sizes,
+                            strides_obj == Py_None ? NULL : strides, 0};
+    bnbw_tensor_desc stats = {(bnbw_data_type)data_type, sndim, ssizes, NULL, 0};
+    if ((status = api->calc_buffer_tensor_size(big.data_type, ndim, sizes, big.strides,
+                                               &big_min, &big.total_tensor_size_in_bytes))
+        || (status = api->calc_buffer_tensor_size(stats.data_type, sndim, ssizes, NULL,
+                                                  &stat_min,
+                                                  &stats.total_tensor_size_in_bytes))) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", api->status_name(status),
+                     api->error_message());
+        goto done;
+    }
+    /* input, mean, variance, scale, bias, then the five outputs */
+    for (i = 0; i < 10; ++i) {
+        uint64_t size = (i == 0 || i == 5) ? big_min : stat_min;
+        if (i < 5 && !held[i])
+            continue;
+        mem[i] = calloc(1, (size_t)size);
+        if (mem[i] == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        if (i < 5)
+            memcpy(mem[i], in[i].buf,
+                   (size_t)in[i].len < (size_t)size ? (size_t)in[i].len : (size_t)size);
+    }
+    bnbw_batch_normalization_training_desc desc = {
+        &big, &stats, &stats, held[3] ? &stats : NULL, held[4] ? &stats : NULL,
+        &big, &stats, &stats, &stats, &stats, epsilon, momentum, fuse_relu};
+    bnbw_training_bindings b = {mem[0], mem[1], mem[2], mem[3], mem[4],
+                                in_place ? mem[0] : mem[5], in_place ? mem[1] : mem[6],
+                                in_place ? mem[2] : mem[7], mem[8], mem[9]};
+    Py_BEGIN_ALLOW_THREADS
+    status = api->create_training_operator(&desc, &op);
+    if (status == BNBW_OK)
+        status = api->execute_training(op, &b, num_threads);
+    Py_END_ALLOW_THREADS
+    if (status != BNBW_OK) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", api->status_name(status),
+                     api->error_message());
+        goto done;
+    }
+    result = Py_BuildValue("(y#y#y#y#y#)", (const char *)b.output, (Py_ssize_t)big_min,
+                           (const char *)b.output_running_mean, (Py_ssize_t)stat_min,
+                           (const char *)b.output_running_variance, (Py_ssize_t)stat_min,
+                           (const char *)mem[8], (Py_ssize_t)stat_min,
+                           (const char *)mem[9], (Py_ssize_t)stat_min);
+done:
+    api->destroy_operator(op);
+    for (i = 0; i < 10; ++i)
+        free(mem[i]);
+    for (i = 0; i < 5; ++i)
+        if (held[i])
+            PyBuffer_Release(&in[i]);
+    return result;
+}
+
 /* ---- refused calls ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -242,6 +337,10 @@ static int add_case(PyObject *list, const char *name, bnbw_status status)
     return rc;
 }
 
+/* One case of a refusal list: its status, and the message of the call (fails the function when
+ * the list cannot grow). */
+#define CASE(name, expr) do { st = (expr); if (add_case(list, name, st) < 0) goto fail; } while (0)
+
 /* errors() -> [(case, status, message)] for calls that must be refused, plus "ok" cases. */
 static PyObject *errors(PyObject *self, PyObject *unused)
 {
@@ -256,7 +355,6 @@ static PyObject *errors(PyObject *self, PyObject *unused)
         free(mem);
         return PyErr_NoMemory();
     }
-#define CASE(name, expr) do { st = (expr); if (add_case(list, name, st) < 0) goto fail; } while (0)
 
     fixture_init(&f);
     CASE("create: desc NULL", api->create_operator(BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD, NULL, &op));
@@ -363,7 +461,6 @@ static PyObject *errors(PyObject *self, PyObject *unused)
         }
         Py_DECREF(name);
     }
-#undef CASE
     free(mem);
     return list;
 fail:
@@ -371,6 +468,81 @@ fail:
     Py_DECREF(list);
     return NULL;
 }
+
+/* training_errors() -> [(case, status, message)] for the training forward's refused calls. */
+static PyObject *training_errors(PyObject *self, PyObject *unused)
+{
+    const bnbw_api_table *api = bnbw_api;
+    PyObject *list = PyList_New(0);
+    static const int64_t sizes[4] = {2, 3, 4, 5}, ssizes[4] = {1, 3, 1, 1}, wrong[4] = {1, 3, 1, 2};
+    bnbw_tensor_desc big = {BNBW_DATA_TYPE_FLOAT32, 4, sizes, NULL, 480};
+    bnbw_tensor_desc stats = {BNBW_DATA_TYPE_FLOAT32, 4, ssizes, NULL, 12};
+    bnbw_tensor_desc bad = {BNBW_DATA_TYPE_FLOAT32, 4, wrong, NULL, 24};
+    bnbw_batch_normalization_training_desc ok = {&big, &stats, &stats, NULL, NULL, &big, &stats,
+                                                 &stats, &stats, &stats, 1e-5f, 0.9f, 1};
+    bnbw_batch_normalization_training_desc d;
+    bnbw_batch_normalization_grad_desc grad = {&big, &big, &stats, &stats, &stats, &big, &stats,
+                                               &stats, 1e-5f};
+    bnbw_operator *op = NULL, *grad_op = NULL;
+    float *mem = calloc(2 * 120 + 64, sizeof(float));
+    bnbw_status st;
+    if (list == NULL || mem == NULL) {
+        Py_XDECREF(list);
+        free(mem);
+        return PyErr_NoMemory();
+    }
+    CASE("create: desc NULL", api->create_training_operator(NULL, &op));
+    CASE("create: out pointer NULL", api->create_training_operator(&ok, NULL));
+    d = ok; d.mean = NULL;
+    CASE("create: mean NULL", api->create_training_operator(&d, &op));
+    d = ok; d.output_batch_variance = &bad;
+    CASE("create: batch variance sizes", api->create_training_operator(&d, &op));
+    d = ok; d.momentum = 1.5f;
+    CASE("create: momentum above 1", api->create_training_operator(&d, &op));
+    d = ok; d.momentum = (float)NAN;
+    CASE("create: momentum NaN", api->create_training_operator(&d, &op));
+    d = ok; d.epsilon = 0.0f;
+    CASE("create: epsilon 0", api->create_training_operator(&d, &op));
+    CASE("create: op NULL after refusals", op == NULL ? BNBW_OK : BNBW_ERROR_NULL_POINTER);
+    CASE("ok: create", api->create_training_operator(&ok, &op));
+    CASE("ok: create gradient",
+         api->create_operator(BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD, &grad, &grad_op));
+    {
+        float *x = mem, *y = mem + 120, *s = mem + 240;     /* s: 6 x 12 bytes of statistics */
+        bnbw_training_bindings good = {x, s, s + 3, NULL, NULL, y, s + 6, s + 9, s + 12, s + 15};
+        bnbw_training_bindings b;
+        bnbw_bindings gb = {x, x, s, s, s, y, s + 6, s + 9};
+        for (int i = 0; i < 120; ++i)
+            x[i] = (float)(i % 7);
+        for (int i = 0; i < 6; ++i)
+            s[i] = 1.0f;
+        CASE("execute: bindings NULL", api->execute_training(op, NULL, 1));
+        b = good; b.scale = s;
+        CASE("execute: scale given to an operator made without it",
+             api->execute_training(op, &b, 1));
+        b = good; b.output_running_mean = s + 3;
+        CASE("execute: output_running_mean over variance", api->execute_training(op, &b, 1));
+        b = good; b.output = x + 1;
+        CASE("execute: output overlaps input", api->execute_training(op, &b, 1));
+        CASE("execute: a gradient operator", api->execute_training(grad_op, &good, 1));
+        CASE("execute: the training operator through execute", api->execute(op, &gb, 1));
+        CASE("ok: execute", api->execute_training(op, &good, 2));
+        b = good; b.output = x; b.output_running_mean = s; b.output_running_variance = s + 3;
+        CASE("ok: execute in place", api->execute_training(op, &b, 2));
+    }
+    api->destroy_operator(op);
+    api->destroy_operator(grad_op);
+    free(mem);
+    return list;
+fail:
+    api->destroy_operator(op);
+    api->destroy_operator(grad_op);
+    free(mem);
+    Py_DECREF(list);
+    return NULL;
+}
+#undef CASE
+
 
 /* ---- one operator, many threads --------------------------------------------------------- */
 
@@ -463,6 +635,8 @@ static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "One operator on raw memory in any layout."},
     {"errors", errors, METH_NOARGS, "Status and message of refused calls."},
     {"concurrent", concurrent, METH_VARARGS, "One operator executed from n threads at once."},
+    {"training", training, METH_VARARGS, "The training forward on raw memory in any layout."},
+    {"training_errors", training_errors, METH_NOARGS, "Refusals of the training forward."},
     {NULL, NULL, 0, NULL},
 };
 
