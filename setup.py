@@ -292,7 +292,7 @@ def main():
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 
     def extension(name, sources):
-        # compile and link flags: build_ext's, once it knows the compiler (flags_for below)
+        # compile and link flags: build_ext_with_record.build_extensions, which knows the compiler
         return Extension(
             f"bnbw_native.{name}",
             sources,
