@@ -42,7 +42,9 @@ def test_openmp_probe_takes_cc_with_flags(setup_py, monkeypatch):
     monkeypatch.setenv("CC", f"{cc} -pipe")
     assert setup_py["openmp_flags"]() == plain
     if _call.build_info()["openmp"]:          # this very compiler built an OpenMP package
-        assert plain == (["-fopenmp"], "")
+        # -fopenmp, or Apple clang's -Xpreprocessor -fopenmp -lomp
+        assert plain[0] in [list(f) for f in setup_py["OPENMP_CANDIDATES"]["unix"]]
+        assert plain[1] == ""
 
 
 def test_openmp_probe_failure_is_recorded(setup_py, monkeypatch):
@@ -81,7 +83,8 @@ def test_openmp_probe_reads_the_flags_the_build_reads(setup_py, monkeypatch):
     with pytest.warns(UserWarning, match="cannot build and run an OpenMP program"):
         assert setup_py["openmp_flags"]()[0] == []
     monkeypatch.setenv("CFLAGS", "-DBNBW_PROBE_MARK=1")
-    assert setup_py["openmp_flags"]() == (["-fopenmp"], "")
+    flags, note = setup_py["openmp_flags"]()
+    assert "-fopenmp" in flags and note == ""
 
 
 def test_msvc_gets_its_own_flags(setup_py, monkeypatch):
