@@ -3,9 +3,18 @@
 The extension modules are plain Cython + C.  A build-time probe and one rule decide the flags:
 
 * OpenMP: compile *and run* a tiny OpenMP program.  If that works the kernels are built with
-  ``-fopenmp`` (runtime linked dynamically, so threadpoolctl can see and limit it).  If it does
-  not, the build warns and goes on serial, unless ``BNBW_REQUIRE_OPENMP=1`` asks for a hard
-  failure instead.
+  OpenMP (runtime linked dynamically, so threadpoolctl can see and limit it): ``-fopenmp`` for
+  GCC and LLVM clang, ``-Xpreprocessor -fopenmp -lomp`` for Apple clang with a separate libomp
+  (e.g. Homebrew's, found through CFLAGS/LDFLAGS, which the probe reads as the build does),
+  ``/openmp`` for MSVC.  If none works, the build warns and goes on serial, unless
+  ``BNBW_REQUIRE_OPENMP=1`` asks for a hard failure instead.
+* Flags by compiler type: GCC-style flags for the "unix" compilers (GCC, clang), MSVC's own
+  equivalents for "msvc" (the kernels' GCC/clang attributes make an MSVC build fail today:
+  configured, not working).
+* No run path into the interpreter: the link command Python was configured with may carry
+  ``-Wl,-rpath,<its prefix>/lib`` (pyenv and conda builds do); the extension modules need no
+  run path at all (they do not link libpython), so those flags are dropped.  A run path the
+  builder asks for in $LDFLAGS is kept.
 * No ``-march=native``: the kernels are compiled once per instruction set (portable, AVX2,
   AVX-512; each translation unit targets its own) and picked at run time from what the CPU and
   the OS support, so one wheel runs everywhere.  ``BNBW_NATIVE_ARCH=1`` adds the flag for local
@@ -42,6 +51,13 @@ def compiler_command():
     return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
 
 
+def _environment_flags(*names):
+    """The words of the environment variables `names` ($CPPFLAGS, $CFLAGS, $LDFLAGS), which
+    the build adds to its compile and link commands: the probe must see what the build sees
+    (e.g. -I/-L flags pointing at a libomp installed outside the compiler's search path)."""
+    return [word for name in names for word in shlex.split(os.environ.get(name, ""))]
+
+
 def _compile_and_run(source, flags):
     """True when `source` compiles with `flags` and the program exits 0."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,7 +66,8 @@ def _compile_and_run(source, flags):
         with open(src, "w") as f:
             f.write(source)
         try:
-            subprocess.run([*compiler_command(), src, "-o", exe, *flags], check=True,
+            subprocess.run([*compiler_command(), *_environment_flags("CPPFLAGS", "CFLAGS"), src,
+                            "-o", exe, *flags, *_environment_flags("LDFLAGS")], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             subprocess.run([exe], check=True, stdout=subprocess.DEVNULL, timeout=60)
         except (OSError, subprocess.SubprocessError):
@@ -58,14 +75,48 @@ def _compile_and_run(source, flags):
     return True
 
 
-def openmp_flags():
-    """(flags, note): ["-fopenmp"] when the compiler builds and runs an OpenMP program, else []
-    and why, for the build record (pip hides the warning unless asked to be verbose)."""
+def _compile_and_run_with(compiler, source, flags):
+    """True when `source` compiles and links with the distutils `compiler` object (MSVC, whose
+    command is not a plain program on PATH) given `flags`, and the program exits 0."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write(source)
+        try:
+            objects = compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+            compiler.link_executable(objects, "probe", output_dir=tmp)
+            exe = os.path.join(tmp, compiler.executable_filename("probe"))
+            subprocess.run([exe], check=True, stdout=subprocess.DEVNULL, timeout=60)
+        except Exception:           # CompileError, LinkError, OSError, SubprocessError
+            return False
+    return True
+
+
+# The OpenMP spellings tried, in order, per compiler type.  The second "unix" one is Apple
+# clang's: its driver has no -fopenmp of its own, the preprocessor takes it and libomp (not part
+# of Xcode) provides the runtime.
+OPENMP_CANDIDATES = {
+    "unix": (["-fopenmp"], ["-Xpreprocessor", "-fopenmp", "-lomp"]),
+    "msvc": (["/openmp"],),
+}
+
+
+def openmp_flags(kind="unix", compiler=None):
+    """(flags, note): the first OpenMP spelling of OPENMP_CANDIDATES[kind] with which the
+    compiler builds and runs an OpenMP program, else [] and why, for the build record (pip
+    hides the warning unless asked to be verbose).  `compiler`: the distutils compiler object,
+    needed for kind "msvc"; "unix" compilers run as $CC (or Python's CC) says."""
     if os.environ.get("BNBW_DISABLE_OPENMP") == "1":
         return [], "disabled by BNBW_DISABLE_OPENMP=1"
-    if _compile_and_run(OPENMP_PROBE, ["-fopenmp"]):
-        return ["-fopenmp"], ""
-    note = f"{shlex.join(compiler_command())} cannot build and run an OpenMP program"
+    for flags in OPENMP_CANDIDATES[kind]:
+        if kind == "msvc":
+            works = compiler is not None and _compile_and_run_with(compiler, OPENMP_PROBE, flags)
+        else:
+            works = _compile_and_run(OPENMP_PROBE, flags)
+        if works:
+            return list(flags), ""
+    who = "MSVC" if kind == "msvc" else shlex.join(compiler_command())
+    note = f"{who} cannot build and run an OpenMP program"
     message = (f"bnbw_native: {note}; building the kernels serial (every num_threads runs on "
                "one thread).")
     if os.environ.get("BNBW_REQUIRE_OPENMP") == "1":
@@ -74,20 +125,114 @@ def openmp_flags():
     return [], note
 
 
-def compile_flags():
-    # -ffp-contract=off: the bits of every result depend on each multiply and add rounding
-    # where the source says (the kernels fuse explicitly where they mean to); a compiler free to
-    # contract a*b + c into one FMA would round differently on machines with and without FMA.
-    # -g0: Python's own CFLAGS carry -g, which would ship megabytes of debug info in the wheel;
-    # BNBW_EXTRA_CFLAGS comes later and may turn it back on (the sanitizer build does).
-    flags = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-Wno-unused-function",
-             "-g0"]
-    if os.environ.get("BNBW_NATIVE_ARCH") == "1":
-        flags.append("-march=native")
+def split_openmp_flags(flags, kind="unix"):
+    """(compile flags, link flags) of an OpenMP spelling: -Xpreprocessor -fopenmp only
+    compiles, -lomp / -L only link, a bare -fopenmp does both; MSVC's /openmp compiles and the
+    object itself names the runtime (vcomp) to the linker."""
+    if kind == "msvc":
+        return list(flags), []
+    compile_only, link_only = [], []
+    after_xpreprocessor = False
+    for flag in flags:
+        if flag.startswith(("-l", "-L")):
+            link_only.append(flag)
+        else:
+            compile_only.append(flag)
+            if flag == "-fopenmp" and not after_xpreprocessor:
+                link_only.append(flag)
+        after_xpreprocessor = flag == "-Xpreprocessor"
+    return compile_only, link_only
+
+
+def compile_flags(kind="unix"):
+    """The compile flags for the compiler type `kind` ("unix": GCC or clang; "msvc")."""
+    if kind == "msvc":
+        # The same intent in MSVC's words: /fp:precise, which (Visual Studio 2022 and later)
+        # contracts nothing into FMAs without /fp:contract; C11 for the kernels' syntax; no
+        # debug info unless asked (MSVC emits none without /Zi).  BNBW_NATIVE_ARCH is GCC-only.
+        flags = ["/O2", "/std:c11", "/fp:precise"]
+    else:
+        # -ffp-contract=off: the bits of every result depend on each multiply and add rounding
+        # where the source says (the kernels fuse explicitly where they mean to); a compiler
+        # free to contract a*b + c into one FMA would round differently on machines with and
+        # without FMA.  -g0: Python's own CFLAGS carry -g, which would ship megabytes of debug
+        # info in the wheel; BNBW_EXTRA_CFLAGS comes later and may turn it back on (the
+        # sanitizer build does).
+        flags = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno",
+                 "-Wno-unused-function", "-g0"]
+        if os.environ.get("BNBW_NATIVE_ARCH") == "1":
+            flags.append("-march=native")
     extra = os.environ.get("BNBW_EXTRA_CFLAGS")
     if extra:
         flags += shlex.split(extra)
     return flags
+
+
+RUN_PATH_OPTIONS = ("-rpath", "--rpath", "-R")     # the linker's spellings, value next
+
+
+def _strip_linker_run_paths(args, keep):
+    """(the linker options `args` without run paths outside `keep`, the directories dropped)."""
+    kept, dropped = [], []
+    j = 0
+    while j < len(args):
+        arg = args[j]
+        if arg in RUN_PATH_OPTIONS and j + 1 < len(args):
+            option, value, j = arg, args[j + 1], j + 2
+        elif arg.startswith(("-rpath=", "--rpath=")):
+            (option, value), j = arg.split("=", 1), j + 1
+        else:
+            kept.append(arg)
+            j += 1
+            continue
+        dirs = value.split(":")
+        dropped += [d for d in dirs if d not in keep]
+        wanted = [d for d in dirs if d in keep]
+        if wanted:
+            kept += [option, ":".join(wanted)]
+    return kept, dropped
+
+
+def strip_run_paths(words, keep=()):
+    """(the link command `words` without the run paths it sets, except directories in `keep`;
+    the directories dropped).  Reads the driver's spellings: -Wl,-rpath,DIR (also -rpath=DIR,
+    --rpath, -R, other options in the same -Wl, word, the value in the next -Wl, word) and
+    -Xlinker -rpath -Xlinker DIR."""
+    out, dropped = [], []
+    i = 0
+    while i < len(words):
+        word, start = words[i], i
+        if word.startswith("-Wl,"):
+            args = word[4:].split(",")
+            i += 1
+            while args[-1] in RUN_PATH_OPTIONS and i < len(words) and words[i].startswith("-Wl,"):
+                args += words[i][4:].split(",")          # -Wl,-rpath -Wl,DIR
+                i += 1
+        elif word == "-Xlinker" and i + 1 < len(words):
+            args = [words[i + 1]]
+            i += 2
+            if (args[0] in RUN_PATH_OPTIONS and i + 1 < len(words)
+                    and words[i] == "-Xlinker"):
+                args.append(words[i + 1])                # -Xlinker -rpath -Xlinker DIR
+                i += 2
+        else:
+            out.append(word)
+            i += 1
+            continue
+        kept, gone = _strip_linker_run_paths(args, keep)
+        dropped += gone
+        if not gone:
+            out += words[start:i]                        # no run path dropped: as written
+        elif kept:
+            out.append("-Wl," + ",".join(kept))
+    return out, dropped
+
+
+def without_interpreter_run_paths(link_command):
+    """(`link_command` without the run paths that Python's own configuration put in it, the
+    directories dropped).  Run paths the builder asks for ($LDFLAGS, $LDSHARED) stay."""
+    _, asked = strip_run_paths(_environment_flags("LDSHARED", "LDFLAGS"))
+    return strip_run_paths(list(link_command), keep=set(asked))
 
 
 def compiler_version(command):
@@ -115,7 +260,7 @@ CYTHON_DIRECTIVES = {
 }
 
 
-def build_record(compile_command, extension_flags, openmp, openmp_note):
+def build_record(compile_command, extension_flags, openmp, openmp_note, dropped_run_paths=()):
     """The text of bnbw_native/_build_info.py: what built the extension modules, for
     show_config (which must not describe the interpreter's compiler instead)."""
     facts = {
@@ -126,6 +271,8 @@ def build_record(compile_command, extension_flags, openmp, openmp_note):
         "openmp_note": openmp_note,
         "python": sys.version.split()[0],
         "platform": sysconfig.get_platform(),
+        # run paths of Python's own link command that the modules were linked without
+        "dropped_run_paths": sorted(set(dropped_run_paths)),
     }
     lines = [f"    {key!r}: {value!r}," for key, value in facts.items()]
     return ("# What built the extension modules beside this file; written by setup.py at build "
@@ -142,19 +289,16 @@ def main():
     from setuptools.command.build_ext import build_ext
     from setuptools.command.build_py import build_py
 
-    omp, omp_note = openmp_flags()
-    cflags = compile_flags() + omp
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 
     def extension(name, sources):
+        # compile and link flags: build_ext_with_record.build_extensions, which knows the compiler
         return Extension(
             f"bnbw_native.{name}",
             sources,
             include_dirs=["include", "src", numpy.get_include()],
             depends=sorted(glob.glob("include/*.h") + glob.glob("src/*.h")),   # rebuild when a header changes
             define_macros=macros,
-            extra_compile_args=cflags,
-            extra_link_args=omp + [f for f in cflags if f.startswith("-fsanitize")],
             libraries=[] if sys.platform == "win32" else ["m"],   # fmaf (bnbw_kernels.h)
         )
 
@@ -188,8 +332,25 @@ def main():
                     self.copy_file(os.path.join("include", name), os.path.join(target, name))
 
     class build_ext_with_record(build_ext):
-        """Write bnbw_native/_build_info.py beside the modules it compiled (in the build tree,
+        """Choose the flags for the compiler at hand, link without the interpreter's run paths,
+        and write bnbw_native/_build_info.py beside the modules it compiled (in the build tree,
         and in the source tree for --inplace)."""
+
+        def build_extensions(self):
+            kind = "msvc" if self.compiler.compiler_type == "msvc" else "unix"
+            omp, self.omp_note = openmp_flags(kind, self.compiler)
+            omp_compile, omp_link = split_openmp_flags(omp, kind)
+            self.omp = omp
+            self.cflags = compile_flags(kind) + omp_compile
+            link = omp_link + [f for f in self.cflags if f.startswith("-fsanitize")]
+            for ext in self.extensions:
+                ext.extra_compile_args = list(self.cflags)
+                ext.extra_link_args = list(link)
+            self.dropped = []
+            linker = getattr(self.compiler, "linker_so", None)
+            if kind == "unix" and linker:
+                self.compiler.linker_so, self.dropped = without_interpreter_run_paths(linker)
+            super().build_extensions()
 
         def run(self):
             # Cythonize here, not when setup.py is read: an sdist or egg_info needs no C, and
@@ -208,8 +369,11 @@ def main():
             if self.inplace:
                 targets.append(self.get_finalized_command("build_py").get_package_dir(
                     "bnbw_native"))
-            command = getattr(self.compiler, "compiler_so", None) or compiler_command()
-            text = build_record(command, cflags, omp, omp_note)
+            command = (getattr(self.compiler, "compiler_so", None)
+                       or [getattr(self.compiler, "cc", None) or compiler_command()[0]])
+            if not hasattr(self, "cflags"):      # no extension to build: nothing was probed
+                return
+            text = build_record(command, self.cflags, self.omp, self.omp_note, self.dropped)
             for target in targets:
                 path = os.path.join(target, RECORD)
                 # an up-to-date build compiles nothing: keep the record of what did compile

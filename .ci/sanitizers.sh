@@ -55,7 +55,7 @@ start=$(date +%s)
     echo "sanitizers: the instrumented build failed" >&2
     exit 2
 }
-if ! nm -D "$work"/src/bnbw_native/_schedules*.so 2>/dev/null | grep __asan_report >/dev/null; then
+if ! nm -D "$work"/src/bnbw_native/_engine*.so 2>/dev/null | grep __asan_report >/dev/null; then
     echo "sanitizers: the build is not instrumented (BNBW_EXTRA_CFLAGS ignored?)" >&2
     exit 2
 fi

@@ -43,7 +43,9 @@ def test_openmp_probe_takes_cc_with_flags(setup_py, monkeypatch):
     monkeypatch.setenv("CC", f"{cc} -pipe")
     assert setup_py["openmp_flags"]() == plain
     if _engine.build_info()["openmp"]:          # this very compiler built an OpenMP package
-        assert plain == (["-fopenmp"], "")
+        # -fopenmp, or Apple clang's -Xpreprocessor -fopenmp -lomp
+        assert plain[0] in [list(f) for f in setup_py["OPENMP_CANDIDATES"]["unix"]]
+        assert plain[1] == ""
 
 
 def test_openmp_probe_failure_is_recorded(setup_py, monkeypatch):
@@ -52,6 +54,85 @@ def test_openmp_probe_failure_is_recorded(setup_py, monkeypatch):
     with pytest.warns(UserWarning, match="no-such-compiler-bnbw -pipe cannot build"):
         flags, note = setup_py["openmp_flags"]()
     assert flags == [] and "no-such-compiler-bnbw -pipe" in note
+
+
+def test_openmp_spellings_split_into_compile_and_link_flags(setup_py):
+    """Apple clang's spelling: -Xpreprocessor -fopenmp compiles, -lomp links; a bare -fopenmp
+    does both (GCC needs it at link time to pull in libgomp)."""
+    split = setup_py["split_openmp_flags"]
+    assert split(["-fopenmp"]) == (["-fopenmp"], ["-fopenmp"])
+    assert split(["-Xpreprocessor", "-fopenmp", "-lomp"]) == (["-Xpreprocessor", "-fopenmp"],
+                                                              ["-lomp"])
+    assert split(["/openmp"], "msvc") == (["/openmp"], [])
+    assert split([]) == ([], [])
+    # every spelling the probe may pick compiles with something and links with something
+    for flags in setup_py["OPENMP_CANDIDATES"]["unix"]:
+        compile_only, link_only = split(flags)
+        assert compile_only and link_only
+
+
+def test_openmp_probe_reads_the_flags_the_build_reads(setup_py, monkeypatch):
+    """$CFLAGS / $LDFLAGS reach the probe as they reach the build (e.g. -I/-L of a libomp
+    outside the compiler's paths): a $CFLAGS that breaks every compile turns OpenMP off."""
+    cc = c_compiler()
+    if cc is None or not _engine.build_info()["openmp"]:
+        pytest.skip("needs a compiler that builds OpenMP programs")
+    monkeypatch.delenv("BNBW_REQUIRE_OPENMP", raising=False)
+    monkeypatch.delenv("BNBW_DISABLE_OPENMP", raising=False)
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("CFLAGS", "-DBNBW_PROBE_MARK=1 -include no-such-header-bnbw.h")
+    with pytest.warns(UserWarning, match="cannot build and run an OpenMP program"):
+        assert setup_py["openmp_flags"]()[0] == []
+    monkeypatch.setenv("CFLAGS", "-DBNBW_PROBE_MARK=1")
+    flags, note = setup_py["openmp_flags"]()
+    assert "-fopenmp" in flags and note == ""
+
+
+def test_msvc_gets_its_own_flags(setup_py, monkeypatch):
+    """MSVC would reject GCC's spellings: its list holds only /-options, with the intent kept
+    (optimised, C11, precise floating point that contracts nothing)."""
+    monkeypatch.delenv("BNBW_EXTRA_CFLAGS", raising=False)
+    monkeypatch.setenv("BNBW_NATIVE_ARCH", "1")                 # GCC-only: not passed to MSVC
+    msvc = setup_py["compile_flags"]("msvc")
+    assert msvc == ["/O2", "/std:c11", "/fp:precise"]
+    unix = setup_py["compile_flags"]("unix")
+    assert {"-O3", "-std=c11", "-ffp-contract=off", "-g0", "-march=native"} <= set(unix)
+    assert setup_py["OPENMP_CANDIDATES"]["msvc"] == (["/openmp"],)
+
+
+PYENV_LDSHARED = ("gcc -shared -L/opt/py/lib -Wl,-rpath,/opt/py/lib -L/opt/py/lib "
+                  "-Wl,-rpath,/opt/py/lib")
+CONDA_LDSHARED = ("gcc -pthread -shared -Wl,-O2 -Wl,--sort-common -Wl,--as-needed "
+                  "-Wl,--disable-new-dtags -Wl,-rpath,/opt/conda/lib "
+                  "-Wl,-rpath-link,/opt/conda/lib -L/opt/conda/lib")
+
+
+@pytest.mark.parametrize("command, want, dropped", [
+    (PYENV_LDSHARED, "gcc -shared -L/opt/py/lib -L/opt/py/lib", ["/opt/py/lib"] * 2),
+    (CONDA_LDSHARED, "gcc -pthread -shared -Wl,-O2 -Wl,--sort-common -Wl,--as-needed "
+                     "-Wl,--disable-new-dtags -Wl,-rpath-link,/opt/conda/lib -L/opt/conda/lib",
+     ["/opt/conda/lib"]),
+    ("cc -shared -Wl,-O1,-rpath,/a:/b,--as-needed", "cc -shared -Wl,-O1,--as-needed", ["/a", "/b"]),
+    ("cc -shared -Wl,-rpath -Wl,/a -Wl,--rpath=/b", "cc -shared", ["/a", "/b"]),
+    ("cc -shared -Xlinker -rpath -Xlinker /a -Xlinker --no-undefined",
+     "cc -shared -Xlinker --no-undefined", ["/a"]),
+    ("gcc -pthread -shared", "gcc -pthread -shared", []),           # Debian's own python3
+])
+def test_run_paths_are_stripped_from_the_link_command(setup_py, command, want, dropped):
+    """The run paths a pyenv or conda Python configured into its link command (RUNPATH into
+    the build machine's interpreter, in every module) go; other linker options stay."""
+    got, gone = setup_py["strip_run_paths"](shlex.split(command))
+    assert (shlex.join(got), gone) == (want, dropped)
+
+
+def test_run_paths_the_builder_asks_for_stay(setup_py, monkeypatch):
+    monkeypatch.delenv("LDSHARED", raising=False)
+    monkeypatch.setenv("LDFLAGS", "-L/opt/omp/lib -Wl,-rpath,/opt/omp/lib")
+    command = shlex.split(PYENV_LDSHARED) + ["-L/opt/omp/lib", "-Wl,-rpath,/opt/omp/lib"]
+    got, gone = setup_py["without_interpreter_run_paths"](command)
+    assert got == ["gcc", "-shared", "-L/opt/py/lib", "-L/opt/py/lib", "-L/opt/omp/lib",
+                   "-Wl,-rpath,/opt/omp/lib"]
+    assert gone == ["/opt/py/lib"] * 2
 
 
 def _elf_section_names(path):

@@ -1,10 +1,14 @@
 """The package as distributed: license, metadata, one version, an sdist that is a whole source
-tree (its own tests run in it), a wheel without generated C or debug info."""
+tree (its own tests run in it), a wheel without generated C, debug info or run paths into the
+machine that built it, and the release configuration (cibuildwheel, .ci/wheel.sh)."""
 import email.parser
+import importlib
 import os
 import re
+import shlex
 import shutil
 import site
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -165,6 +169,10 @@ def test_sdist_builds_a_wheel_that_passes_the_sdists_own_tests(sdist, tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         size = sum(i.file_size for i in zf.infolist())
+        elf = sys.platform.startswith("linux") and sys.maxsize > 2**32
+        run_paths = {n: elf_run_paths(zf.read(n)) for n in names if elf and n.endswith(".so")}
+    assert len(run_paths) == (5 if elf else 0)
+    assert not any(run_paths.values()), run_paths      # no run path at all before a repair
     assert not [n for n in names if n.endswith((".c", ".html"))]
     assert f"{NAME}.dist-info/licenses/LICENSE" in names
     assert "bnbw_native/py.typed" in names and "bnbw_native/_build_info.py" in names
@@ -202,3 +210,150 @@ def test_sdist_builds_a_wheel_that_passes_the_sdists_own_tests(sdist, tmp_path):
                           cwd=tree, capture_output=True, text=True, timeout=1800, env=env)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1]
+
+
+# ---- run paths ------------------------------------------------------------------------------
+
+DT_RPATH, DT_RUNPATH = 15, 29
+
+
+def elf_run_paths(data):
+    """The RPATH and RUNPATH entries of a 64-bit little-endian ELF shared object (its bytes),
+    as a list of directories."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+
+    def section(i):
+        # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link
+        return struct.unpack_from("<IIQQQQI", data, shoff + i * shentsize)
+
+    found = []
+    for i in range(shnum):
+        _, kind, _, _, offset, size, link = section(i)
+        if kind != 6:                                   # SHT_DYNAMIC
+            continue
+        strings_offset = section(link)[4]
+        for at in range(offset, offset + size, 16):
+            tag, value = struct.unpack_from("<qQ", data, at)
+            if tag in (DT_RPATH, DT_RUNPATH):
+                start = strings_offset + value
+                found += data[start:data.index(b"\0", start)].decode().split(":")
+    return found
+
+
+def test_elf_run_paths_reads_what_the_linker_wrote(tmp_path):
+    """The reader above against a library linked here with two run paths."""
+    cc = c_compiler()
+    if cc is None or not sys.platform.startswith("linux") or sys.maxsize < 2**32:
+        pytest.skip("needs a C compiler making 64-bit ELF (Linux)")
+    source = tmp_path / "f.c"
+    source.write_text("int f(void) { return 1; }\n")
+    for flags, want in ((["-Wl,-rpath,/opt/a:$ORIGIN/b"], ["/opt/a", "$ORIGIN/b"]), ([], [])):
+        lib = tmp_path / "libf.so"
+        subprocess.run([cc, "-shared", "-fPIC", str(source), "-o", str(lib), *flags], check=True)
+        assert elf_run_paths(lib.read_bytes()) == want
+
+
+def _forbidden_run_path(entry):
+    """True for a run path into the interpreter that built the module or into a source or build
+    tree: the directories a module picks up from the build machine."""
+    if entry.startswith("$ORIGIN"):
+        return False
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                sysconfig.get_config_var("LIBDIR") or sys.prefix, str(ROOT)}
+    path = os.path.abspath(entry)
+    return (any(path == p or path.startswith(p.rstrip(os.sep) + os.sep) for p in prefixes)
+            or "/build/" in path + "/" or "/pip-" in path)
+
+
+def test_extension_modules_carry_no_run_path_into_the_build_machine():
+    """A pyenv or conda Python links with -Wl,-rpath,<its prefix>/lib (LDSHARED); setup.py
+    drops it, so the modules under test (in place or installed) have no such run path."""
+    if not (sys.platform.startswith("linux") and sys.maxsize > 2**32):
+        pytest.skip("reads 64-bit ELF files (Linux)")
+    for name in ("_plan", "_schedules", "_engine", "_rules", "_arrays", "_directml", "_capi",
+                 "_half"):
+        path = importlib.import_module(f"bnbw_native.{name}").__file__
+        bad = [e for e in elf_run_paths(Path(path).read_bytes()) if _forbidden_run_path(e)]
+        assert bad == [], (path, bad)
+
+
+def test_the_build_record_says_which_run_paths_were_dropped():
+    """What Python's configured link command would have put in the modules is recorded, so a
+    build from a pyenv Python shows the fix working (an empty list from a system Python)."""
+    record = bnbw_native._config._build_record()
+    if record is None:
+        pytest.skip("no build record (built by other means)")
+    configured = shlex.split(sysconfig.get_config_var("LDSHARED") or "")
+    asked = shlex.split(os.environ.get("LDFLAGS", ""))
+    from_python = {w.split(",")[-1] for w in configured if w.startswith("-Wl,-rpath,")}
+    from_python -= {w.split(",")[-1] for w in asked if w.startswith("-Wl,-rpath,")}
+    assert from_python <= set(record.get("dropped_run_paths", [])), record
+
+
+# ---- the release configuration --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cibuildwheel():
+    try:
+        import tomllib
+    except ImportError:                          # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["cibuildwheel"]
+
+
+def _override(config, selector):
+    return next(o for o in config.get("overrides", []) if o["select"] == selector)
+
+
+def test_cibuildwheel_builds_every_platform_the_release_promises(cibuildwheel, metadata):
+    assert cibuildwheel["linux"]["archs"] == ["x86_64", "aarch64"]
+    assert cibuildwheel["macos"]["archs"] == ["x86_64", "arm64"]
+    assert cibuildwheel["windows"]["archs"] == ["AMD64"]
+    for arch in ("x86_64", "aarch64"):
+        assert cibuildwheel[f"manylinux-{arch}-image"] in ("manylinux_2_28", "manylinux2014")
+    # exactly the CPython versions the classifiers name
+    classifiers = metadata.get_all("Classifier") or []
+    minors = sorted(c.rsplit(".", 1)[1] for c in classifiers
+                    if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    built = sorted(re.fullmatch(r"cp3(\d+)-\*", b).group(1) for b in cibuildwheel["build"])
+    assert built == minors
+
+
+def test_cibuildwheel_requires_openmp_and_tests_every_wheel(cibuildwheel):
+    """A wheel built serial must fail the release rather than ship; every wheel is tested by
+    the smoke script .ci/wheel.sh uses (aarch64, under QEMU, by that alone)."""
+    for platform in ("linux", "macos", "windows"):
+        assert cibuildwheel[platform]["environment"]["BNBW_REQUIRE_OPENMP"] == "1"
+    smoke = "python -I {project}/.ci/wheel_smoke.py --vendored-openmp"
+    assert (ROOT / ".ci" / "wheel_smoke.py").is_file()
+    assert cibuildwheel["test-command"][0] == smoke
+    assert any(c.startswith("pytest {project}/tests") for c in cibuildwheel["test-command"])
+    assert _override(cibuildwheel, "*-manylinux_aarch64")["test-command"] == smoke
+    assert "--vendored-openmp" in (ROOT / ".ci" / "wheel.sh").read_text()
+
+
+def test_cibuildwheel_macos_finds_libomp_the_way_the_probe_does(cibuildwheel):
+    """Homebrew's libomp is keg-only: its -I/-L come through CPPFLAGS/LDFLAGS, which the probe
+    reads as the build does, and Apple clang's spelling is one the probe tries."""
+    setup_py = (ROOT / "setup.py").read_text()
+    macos = cibuildwheel["macos"]
+    assert "brew install libomp" in macos["before-all"]
+    assert macos["environment"]["CPPFLAGS"] == "-I$(brew --prefix libomp)/include"
+    assert macos["environment"]["LDFLAGS"] == "-L$(brew --prefix libomp)/lib"
+    assert '["-Xpreprocessor", "-fopenmp", "-lomp"]' in setup_py
+    assert '_environment_flags("CPPFLAGS", "CFLAGS")' in setup_py
+    for arch in ("arm64", "x86_64"):
+        target = _override(cibuildwheel, f"*-macosx_{arch}")["environment"]
+        assert re.fullmatch(r"\d+\.0", target["MACOSX_DEPLOYMENT_TARGET"])
+
+
+def test_ci_runs_the_wheel_stage_after_the_test_command():
+    run = (ROOT / ".ci" / "run").read_text()
+    assert run.index('pip install ".[test]" && pytest') < run.index("bash .ci/wheel.sh")
+    stage = (ROOT / ".ci" / "wheel.sh").read_text()
+    for step in ("pip wheel", "auditwheel repair", "readelf -d", "manylinux_", "bnbw-demo",
+                 "-m venv", "c_extension/run.py"):
+        assert step in stage, step

