@@ -12,7 +12,10 @@ FROZEN_DX: int
 REDUCE: int
 APPLY: int
 FORWARD: int
-FORWARD_RELU: int
+FORWARD_REDUCE: int
+FORWARD_APPLY: int
+PARAMS: int
+PARAMS_FROM_SUMS: int
 
 def as_array(obj: Any, name: str) -> NDArray[Any]: ...
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str: ...
@@ -70,4 +73,8 @@ def forward(
     relu: bool = False,
     out: Any = None,
     num_threads: int | None = None,
-) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any], NDArray[Any], NDArray[Any]]: ...
+    *,
+    formula: int = ...,
+    partial: Any = None,
+    count: Any = None,
+) -> Any: ...

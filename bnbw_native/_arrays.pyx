@@ -22,8 +22,9 @@ from bnbw_native._vocabulary cimport (
     Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64,
     S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS,
-    OP_EXACT_SUMS, OP_FORWARD, OP_RELU, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
-    DO_APPLY, DO_FORWARD, bnbw_status, BNBW_OK)
+    OP_EXACT_SUMS, OP_FORWARD, OP_RELU, OP_DX, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
+    DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS, DO_PARAMS_FROM_SUMS,
+    bnbw_status, BNBW_OK)
 from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, FAMILY_ARRAYS,
                                  FAMILY_DIRECTML, NAME_EPSILON, NAME_CAP, MESSAGE_CAP,
                                  check_call, layout_of, check_epsilon_value, copy_name,
@@ -40,7 +41,8 @@ cdef extern from "numpy/arrayobject.h":
 
 # What a call does, as the front-ends name it.
 TRAINING, FROZEN_DX, FROZEN, REDUCE, APPLY = DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE, DO_APPLY
-FORWARD, FORWARD_RELU = DO_FORWARD, DO_FORWARD | OP_RELU
+FORWARD, FORWARD_REDUCE, FORWARD_APPLY = DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY
+PARAMS, PARAMS_FROM_SUMS = DO_PARAMS, DO_PARAMS_FROM_SUMS
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,7 +192,8 @@ ctypedef struct Call:
     int requested        # num_threads as given (0: none)
 
 
-# Where each output stands in `out`: the backward's three and the forward's five.
+# Where each output stands in `out`: the backward's three (or its parameter gradients alone)
+# and the forward's five.
 cdef int _OUT_ROLES[3]
 _OUT_ROLES[:] = [S_DX, S_DSCALE, S_DBIAS]
 cdef int _FORWARD_OUT_ROLES[5]
@@ -208,12 +211,15 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     cdef int t, n_out
     cdef int op = c.op
     cdef const int *out_roles = &_OUT_ROLES[0]
+    cdef bint params_only = op & OP_PARAMS and not (op & OP_DX)
     cdef cnp.npy_intp C
     cdef cnp.ndarray X, M
     cdef list keep = []
     cdef bint reduce_only = (op & OP_RETURN_SUMS) != 0
     if op & OP_FORWARD:
         out_roles = &_FORWARD_OUT_ROLES[0]
+    elif params_only:
+        out_roles = &_OUT_ROLES[1]
     for t in range(N_ROLES):
         a[t].present = False
         a[t].data = NULL
@@ -235,7 +241,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     c.eps.value = 1.0
     if not reduce_only:
         parse_real(epsilon, &c.eps, "epsilon")
-    if op & OP_FORWARD:
+    if op & OP_FORWARD and not reduce_only:
         parse_real(momentum, &c.momentum, "momentum")
     c.requested = requested_threads(num_threads)
     c.count = -1
@@ -251,9 +257,13 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
             raise ValueError(f"count must be below 2**63, got {count}")
         c.count = count if count >= 0 else -1
     n_out = 0
-    if op & OP_FORWARD:
+    if reduce_only or r.family != FAMILY_ARRAYS:
+        n_out = 0
+    elif op & OP_FORWARD:
         n_out = 5
-    elif r.family == FAMILY_ARRAYS and not reduce_only:
+    elif params_only:
+        n_out = 2
+    else:
         n_out = 3 if op & OP_PARAMS else 1
     given = None
     if out is not None:
@@ -268,21 +278,22 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
 
     with nogil:
         rc = check_call(r, a, op, c.axis, NULL if reduce_only else &c.eps,
-                        &c.momentum if op & OP_FORWARD else NULL, c.count, &c.channels, msg,
-                        MESSAGE_CAP)
+                        &c.momentum if op & OP_FORWARD and not reduce_only else NULL, c.count,
+                        &c.channels, msg, MESSAGE_CAP)
     if rc != BNBW_OK:
         raise_status(rc, msg)
 
     # outputs the caller did not give
     if reduce_only or given is not None:
         return given, keep
-    results = [PyArray_NewLikeArray(X, cnp.NPY_KEEPORDER, NULL, 0)]
+    C = c.channels
     if r.family == FAMILY_DIRECTML:
         shape = tuple(a[S_MEAN].shape[t] for t in range(a[S_MEAN].ndim))
-        results += [np.empty(shape, X.dtype), np.empty(shape, X.dtype)]
+        results = [PyArray_NewLikeArray(X, cnp.NPY_KEEPORDER, NULL, 0),
+                   np.empty(shape, X.dtype), np.empty(shape, X.dtype)]
     else:
-        C = c.channels
-        results += [cnp.PyArray_EMPTY(1, &C, cnp.PyArray_TYPE(M), 0) for t in range(n_out - 1)]
+        results = [PyArray_NewLikeArray(X, cnp.NPY_KEEPORDER, NULL, 0) if out_roles[t] == S_DX
+                   else cnp.PyArray_EMPTY(1, &C, cnp.PyArray_TYPE(M), 0) for t in range(n_out)]
     for t in range(len(results)):
         _fill(&a[out_roles[t]], <cnp.ndarray> results[t])
     return results, keep
@@ -379,14 +390,16 @@ def describe(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None
 
 
 def forward(Convention conv, src, mean, variance, gamma, beta, epsilon, momentum,
-            data_format="NXC", bint relu=False, out=None, num_threads=None):
+            data_format="NXC", bint relu=False, out=None, num_threads=None, *,
+            int formula=DO_FORWARD, partial=None, count=None):
     """Check and run one training forward of `conv`.  Returns (y, running_mean,
-    running_variance, batch_mean, batch_variance)."""
+    running_variance, batch_mean, batch_variance); FORWARD_REDUCE: the sums around `mean` (a
+    shift) and the local count; FORWARD_APPLY: the outputs from the given sums and count."""
     cdef Arg a[N_ROLES]
     cdef Call c
-    c.op = DO_FORWARD | (OP_RELU if relu else 0)
+    c.op = formula | (OP_RELU if relu else 0)
     results, keep = _prepare(conv, &c, a, src, None, mean, variance, gamma, epsilon,
-                             data_format, out, num_threads, beta, None, None, None, None,
+                             data_format, out, num_threads, beta, None, None, partial, count,
                              momentum)
     try:
         return _run(conv, &c, a, results)

@@ -2,6 +2,7 @@
 from typing import Any
 
 MAX_THREADS: int
+RECENTRE: int
 
 def requested_threads(value: object, name: str = "num_threads") -> int: ...
 def set_default_threads(n: int) -> None: ...

@@ -20,12 +20,17 @@ on the kernel body this process chose and the thread count resolved here.
 """
 from bnbw_native._vocabulary cimport (
     Layout, Plan, bnbw_status, BNBW_OK, BNBW_ERROR_OUT_OF_MEMORY, BNBW_BODY_AVX2,
+    RECENTRE as RECENTRE_VARIANCES,
     bnbw_kernels, bnbw_body, bnbw_cpu_body, bnbw_set_body_cap, bnbw_body_name,
     bnbw_omp_max_threads, bnbw_omp_num_procs, bnbw_openmp_version, bnbw_half_simd_path)
 from bnbw_native._plan cimport plan_build, plan_free
 from bnbw_native._schedules cimport Schedule, schedule_choose, execute
 
 import numbers
+
+# How far (in variances) the forward's mean may lie from the shift its sums start from
+# (_vocabulary.forward_recentre; the torch layers' SyncBatchNorm decides with it too).
+RECENTRE = RECENTRE_VARIANCES
 
 # More than this is not a thread count but a mistake: refused (a ValueError naming it).
 cdef int MAX_REQUEST = 1 << 15

@@ -550,8 +550,8 @@ cdef void _channel_coefficients(const Work *w, int64_t c) noexcept nogil:
 cdef inline bint _settled(const Work *w, int64_t c) noexcept nogil:
     """Whether channel c's sums are final: the backward's always are; the forward's are unless
     they cancel too much around the shift, which then moves to fl32(mean) for one more pass."""
-    if not (w.op & OP_FORWARD):
-        return True
+    if not (w.op & OP_FORWARD) or w.op & OP_RETURN_SUMS:
+        return True       # (two-phase sums: around the caller's shift, whatever they give)
     return not forward_recentre(w.mean[c], w.sums[2 * c], w.sums[2 * c + 1], w.count,
                                 &w.mean[c])
 
@@ -750,9 +750,9 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     w.dscale = sums + 2 * C
     w.dbias = sums + 3 * C
     for c in range(C):
-        if op & OP_FORWARD:
+        if op & OP_FORWARD and not (op & (OP_RETURN_SUMS | OP_GIVEN_SUMS)):
             w.mean[c] = _first_shift(p, ptr, c)
-        else:
+        else:             # the mean, or the two-phase forward's shift
             w.mean[c] = load_stat(ptr[S_MEAN], p.stat_dtype, chan_origin(p, S_MEAN, c))
     if op & OP_GIVEN_SUMS:
         memcpy(sums, sums_io, 2 * C * sizeof(double))
@@ -798,7 +798,7 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
         for c in range(C):
             store_stat(ptr[S_DSCALE], p.stat_dtype, chan_origin(p, S_DSCALE, c), w.dscale[c])
             store_stat(ptr[S_DBIAS], p.stat_dtype, chan_origin(p, S_DBIAS, c), w.dbias[c])
-    if op & OP_FORWARD:
+    if op & OP_FORWARD and not (op & OP_RETURN_SUMS):
         for c in range(C):
             _store_forward_statistics(&w, c, momentum)
     free(partial_memory)
@@ -827,11 +827,11 @@ cdef void _store_forward_statistics(const Work *w, int64_t c, double momentum) n
     cdef double batch
     cdef int64_t isz = itemsize(p.stat_dtype)
     for s in range(2):
-        batch = (w.dscale if s == 0 else w.dbias)[c] if p.count > 0 else 0.0
+        batch = (w.dscale if s == 0 else w.dbias)[c] if w.count > 0 else 0.0
         store_stat(w.ptr[S_BATCH_MEAN + s], p.stat_dtype, chan_origin(p, S_BATCH_MEAN + s, c),
                    batch)
         old = S_MEAN + s
-        if p.count > 0:
+        if w.count > 0:
             store_stat(w.ptr[S_RUN_MEAN + s], p.stat_dtype, chan_origin(p, S_RUN_MEAN + s, c),
                        momentum * load_stat(w.ptr[old], p.stat_dtype, chan_origin(p, old, c))
                        + (1.0 - momentum) * batch)

@@ -12,7 +12,9 @@ place through NumPy views of the tensors' memory and write grad_x straight into 
 they return.
 
 `group` names the torch.distributed group whose statistics and sums are merged: "" for none
-(a plain batch norm), else a key from `group_key` (operators take strings, not groups).
+(a plain batch norm), else a key from `group_key` (operators take strings, not groups); the
+forward then runs in two phases with the sums all-reduced in between, as the backward does.
+`num_threads` None means torch's own thread count (torch.get_num_threads()).
 `relu`: y = max(bn(x), 0); the backward then takes y itself as `relu_out` and masks the
 gradient with it.
 """
@@ -23,15 +25,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._onednn_graph import batchnorm_training_backward
-from ._two_phase import backward_reduce
+from ._arrays import PARAMS, PARAMS_FROM_SUMS, backward, forward
+from ._onednn_graph import FORWARD, batchnorm_training_backward
+from ._two_phase import TWO_PHASE, forward_apply, forward_reduce
+from ._engine import RECENTRE
 
 STORAGE = (torch.float32, torch.float16, torch.bfloat16)
-
-# The engine masks the gradient itself (relu_dst=: the layer's output, read in both passes)
-# rather than after torch's threshold_backward, which costs a pass and a tensor of its own.
-# False: threshold_backward, then the plain kernel writes dx over the masked gradient.
-ENGINE_RELU = True
 
 
 # ---- zero-copy views ---------------------------------------------------------------------
@@ -81,51 +80,45 @@ def _group(key):
     return None if key == _DEFAULT_GROUP else _GROUPS[key]
 
 
-# ---- statistics --------------------------------------------------------------------------
+# ---- threads -----------------------------------------------------------------------------
 
-# One pass gives Sum x and Sum x*x; M2 = Sum x*x - (Sum x)^2 / n then loses about
-# log10(mean^2 / var) of float64's 16 digits.  Past this ratio a second pass sums around the
-# mean instead (a ratio of 1e4 leaves ~1e-12 relative, far below float32's 6e-8).
-_CANCELLATION = 1e4
-
-
-def _moments(xs, data_format, channels, num_threads):
-    """(count, mean, M2 = Sum (x - mean)^2) per channel, float64, from the kernel's sums.
-
-    backward_reduce(x, dy=x, mean=c, exact_sums=True) returns [Sum x, Sum (x - c) * x] with
-    exact float64 products and float64 accumulation, for any layout and storage type, without
-    copies (the default f32 blocks of f16/bf16 sums would not survive the cancellation)."""
-    sums, count = backward_reduce(xs, xs, np.zeros(channels, np.float32),
-                                  data_format=data_format, num_threads=num_threads,
-                                  exact_sums=True)
-    if count == 0:
-        return 0, np.zeros(channels), np.zeros(channels)
-    total = sums[0]
-    mean = total / count
-    m2 = sums[1] - total * mean
-    if np.any(mean * mean > _CANCELLATION * np.maximum(m2 / count, 0.0)):
-        shift = mean.astype(np.float32)
-        sums, _ = backward_reduce(xs, xs, shift, data_format=data_format,
-                                  num_threads=num_threads, exact_sums=True)
-        # Sum (x - c) x = M2 + mean * (Sum x - n c): exact algebra, a small correction
-        m2 = sums[1] - mean * (total - count * shift.astype(np.float64))
-    return count, mean, np.maximum(m2, 0.0)
+def threads(num_threads):
+    """A layer's thread count: its own, else torch's (what a torch user sets and expects)."""
+    return torch.get_num_threads() if num_threads is None else num_threads
 
 
-def _merge_ranks(count, mean, m2, group):
-    """Every rank's (count, mean, M2), merged in rank order in float64 (Chan et al.), so every
-    rank gets the same bits; one all_gather of 3*C float64."""
+# ---- statistics across ranks ----------------------------------------------------------------
+
+def _all_reduce(arrays, group):
+    """Every rank's float64 / int64 NumPy arrays summed in place over `group` (all in flight at
+    once); every rank gets the same bits."""
     from .distributed import _check_group
     _, dist = _check_group(group)
-    mine = torch.from_numpy(np.stack([np.full_like(mean, count), mean, m2]))
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    parts = [p.numpy() for p in parts]
-    total = int(sum(p[0, 0] for p in parts))
-    if total == 0:
-        return 0, mean, m2
-    mu = sum(p[0] * p[1] for p in parts) / total
-    return total, mu, sum(p[2] + p[0] * (p[1] - mu) ** 2 for p in parts)
+    pending = [dist.all_reduce(torch.from_numpy(a), group=group, async_op=True) for a in arrays]
+    for p in pending:
+        p.wait()
+
+
+def _sync_sums(xs, data_format, channels, group, num_threads):
+    """The global forward sums of a process group: around 0 first, then - on every rank alike,
+    since they decide from the same global sums - around the global mean where the first ones
+    cancel too much.  Returns (shift, sums, count)."""
+    shift = np.zeros(channels, np.float32)
+    for _ in range(2):
+        sums, local = forward_reduce(xs, shift, data_format=data_format,
+                                     num_threads=num_threads)
+        count = np.array([local], np.int64)
+        _all_reduce([sums, count], group)
+        total = int(count[0])
+        if total <= 1:      # the same on every rank: all of them raise
+            raise ValueError(f"expected more than 1 value per channel when training, got "
+                             f"{total} over the process group")
+        off = sums[0] / total
+        far = off * off > RECENTRE * np.maximum((sums[1] - sums[0] * off) / total, 0.0)
+        if not far.any():
+            break
+        shift = np.where(far, (shift + off).astype(np.float32), shift)
+    return shift, sums, total
 
 
 def _check_params(x, weight, bias):
@@ -147,26 +140,34 @@ def _f32(t):
 def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                  relu: bool, group: str, num_threads: Optional[int]
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Training-mode batch norm of (N, C, *): y (ReLU applied when relu), the batch mean and
-    biased variance (float32) and the element count per channel (int64, all ranks of the
-    group)."""
+    """Training-mode batch norm of (N, C, *) by the engine's forward: y (ReLU applied when
+    relu), the batch mean and biased variance (float32) and the element count per channel
+    (int64, all ranks of the group)."""
     _check_params(x, weight, bias)
     perm, data_format = channel_order(x)
     channels = x.shape[1]
-    count, mean, m2 = _moments(np_view(x.permute(perm)), data_format, channels, num_threads)
+    y = torch.empty_like(x)
+    mean = torch.empty(channels, dtype=torch.float32)
+    var = torch.empty_like(mean)
+    running = np.empty((2, channels), np.float32)     # the operator's, dropped (below)
+    xs = np_view(x.permute(perm))
+    out = (np_view(y.permute(perm)), running[0], running[1], np_view(mean), np_view(var))
+    gamma, beta = (None if p is None else np_view(_f32(p)) for p in (weight, bias))
+    nt = threads(num_threads)
     if group:
-        count, mean, m2 = _merge_ranks(count, mean, m2, _group(group))
-        if count <= 1:      # the same on every rank: all of them raise
-            raise ValueError(f"expected more than 1 value per channel when training, got "
-                             f"{count} over the process group")
-    if count == 0:
-        raise ValueError("batch norm in training mode needs at least one value per channel; "
-                         f"got input of shape {tuple(x.shape)}")
-    mean = torch.from_numpy(mean.astype(np.float32))
-    var = torch.from_numpy((m2 / count).astype(np.float32))
-    y = torch.nn.functional.batch_norm(x, mean, var, _f32(weight), _f32(bias), False, 0.0, eps)
-    if relu:
-        y.relu_()
+        shift, sums, count = _sync_sums(xs, data_format, channels, _group(group), nt)
+        forward_apply(xs, shift, gamma, beta, sums, count, epsilon=eps,
+                      data_format=data_format, relu=relu, out=out, num_threads=nt)
+    else:
+        count = x.numel() // channels if channels else 0
+        if count == 0:
+            raise ValueError("batch norm in training mode needs at least one value per "
+                             f"channel; got input of shape {tuple(x.shape)}")
+        # the layer keeps its own running statistics (PyTorch's momentum, unbiased variance):
+        # the operator's old ones are placeholders, its new ones (momentum 0) are dropped
+        placeholder = np.zeros(channels, np.float32)
+        forward(FORWARD, xs, placeholder, placeholder, gamma, beta, eps, 0.0, data_format, relu,
+                out, nt)
     return y, mean, var, torch.tensor(count, dtype=torch.int64)
 
 
@@ -178,10 +179,7 @@ batch_norm_train = torch.library.custom_op("bnbw_native::batch_norm_train", forw
 def _(x, weight, bias, eps, relu, group, num_threads):
     _check_params(x, weight, bias)
     mean = x.new_empty(x.shape[1], dtype=torch.float32)
-    var = torch.empty_like(mean)
-    # torch's own batch_norm on fake tensors: the layout the real one gives
-    y = torch.nn.functional.batch_norm(x, mean, var, _f32(weight), _f32(bias), False, 0.0, eps)
-    return y, mean, var, x.new_empty((), dtype=torch.int64)
+    return torch.empty_like(x), mean, torch.empty_like(mean), x.new_empty((), dtype=torch.int64)
 
 
 # ---- backward ----------------------------------------------------------------------------
@@ -191,38 +189,37 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
                   num_threads: Optional[int], input_grad: bool
                   ) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias) of batch_norm_train; grad_x is empty unless
-    input_grad.  The parameter gradients are this rank's (float32, whatever weight's type)."""
+    input_grad.  The parameter gradients are this rank's (float32, whatever weight's type).
+    With relu_out (the layer's output), the engine masks the gradient with it in both
+    passes."""
     perm, data_format = channel_order(x)
     channels = x.shape[1]
-    relu_dst = None
-    if relu_out is not None and not ENGINE_RELU:
-        # the masked gradient, laid out like x; the kernel then writes dx over it
-        dy = torch.empty_like(x)
-        torch.ops.aten.threshold_backward.grad_input(grad_y, relu_out, 0, grad_input=dy)
-    else:
-        dy = grad_y
-        if relu_out is not None:
-            relu_dst = np_view(relu_out.permute(perm))
-    xs, dys = np_view(x.permute(perm)), np_view(dy.permute(perm))
+    relu_dst = None if relu_out is None else np_view(relu_out.permute(perm))
+    xs, dys = np_view(x.permute(perm)), np_view(grad_y.permute(perm))
     stats = np_view(mean), np_view(var)
     gamma = None if weight is None else np_view(_f32(weight))
-    kw = dict(data_format=data_format, num_threads=num_threads, relu_dst=relu_dst)
+    nt = threads(num_threads)
     dgamma = torch.empty(channels, dtype=torch.float32)
     dbeta = torch.empty_like(dgamma)
+    params = (np_view(dgamma), np_view(dbeta))
     if not input_grad:
-        # parameters only: their (local) gradients need the sums, not a second pass
-        local, _ = backward_reduce(xs, dys, stats[0], **kw)
-        _param_grads(local, var, eps, dgamma, dbeta)
+        # parameters only: the sums and their coefficients, no dx pass
+        backward(TWO_PHASE, PARAMS, xs, dys, *stats, gamma, eps, data_format, params, nt,
+                 relu_dst=relu_dst)
         return x.new_empty(0), dgamma, dbeta
-    dx = dy if dy is not grad_y else torch.empty_like(x)
-    out = (np_view(dx.permute(perm)), np_view(dgamma), np_view(dbeta))
+    dx = torch.empty_like(x)
+    out = (np_view(dx.permute(perm)), *params)
     if group:
         from .distributed import _torch_sync
         _, local = _torch_sync(xs, dys, *stats, gamma, epsilon=eps, group=_group(group),
-                               out=out, keep_local=True, **kw)
-        _param_grads(local, var, eps, dgamma, dbeta)
+                               out=out, keep_local=True, data_format=data_format,
+                               num_threads=nt, relu_dst=relu_dst)
+        # DistributedDataParallel averages parameter gradients: this rank's, from its sums
+        backward(TWO_PHASE, PARAMS_FROM_SUMS, xs, dys, *stats, gamma, eps, data_format, params,
+                 nt, relu_dst=relu_dst, partial=local, count=x.numel() // channels)
     else:
-        batchnorm_training_backward(xs, dys, *stats, gamma, epsilon=eps, out=out, **kw)
+        batchnorm_training_backward(xs, dys, *stats, gamma, epsilon=eps, out=out,
+                                    data_format=data_format, num_threads=nt, relu_dst=relu_dst)
     return dx, dgamma, dbeta
 
 
@@ -235,13 +232,6 @@ def _(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_gra
     dx = torch.empty_like(x) if input_grad else x.new_empty(0)
     dgamma = x.new_empty(x.shape[1], dtype=torch.float32)
     return dx, dgamma, torch.empty_like(dgamma)
-
-
-def _param_grads(sums, var, eps, dgamma, dbeta):
-    """diff_gamma = r * Sum (x - mean) dy and diff_beta = Sum dy from (2, C) float64 sums."""
-    r = 1.0 / np.sqrt(np_view(var).astype(np.float64) + float(np.float32(eps)))
-    dgamma.copy_(torch.from_numpy(sums[1] * r))
-    dbeta.copy_(torch.from_numpy(sums[0]))
 
 
 # ---- autograd ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Two phases, for data-parallel training.
+"""Two phases, for data-parallel training: the backward's (public) and the forward's (the
+torch layers' SyncBatchNorm).
 
 Each rank reduces its local batch to per-channel sums around the GLOBAL mean; any engine sums
 `partial` and `count` over ranks; each rank then applies the global sums to its own rows.
@@ -6,7 +7,8 @@ Format of `partial`: a C-contiguous float64 array of shape (2, C), row 0 = Sum d
 Sum (x - mean) * dy.  Single-process training equals reduce -> apply bit for bit, because both
 run the same block partition and the same coefficient code.
 """
-from ._arrays import APPLY, REDUCE, backward, check_choice
+from ._arrays import (APPLY, FORWARD_APPLY, FORWARD_REDUCE, REDUCE, backward, check_choice,
+                      forward)
 from ._onednn_graph import BackwardResult
 from ._rules import Convention
 
@@ -44,3 +46,27 @@ def backward_apply(x, dy, mean, variance, gamma, partial, count, *, epsilon, dat
                                     data_format, out, num_threads, relu_dst=relu_dst,
                                     diff_residual=diff_residual, partial=partial,
                                     count=count))
+
+
+# The forward in two phases.  Every rank sums its rows around one shift the ranks share, the
+# sums and counts are all-reduced, and each rank normalises its rows with the global sums.
+FORWARD_PHASES = Convention(dict(x="x", mean="shift", var="variance", scale="gamma", beta="beta",
+                                 dx="y", run_mean="running_mean", run_var="running_variance",
+                                 batch_mean="batch_mean", batch_var="batch_variance",
+                                 partial="sums"))
+
+
+def forward_reduce(x, shift, *, data_format, num_threads=None):
+    """[Sum (x - shift), Sum (x - shift)^2] per channel as float64 (2, C), and the local count
+    per channel; exact f64 terms, as the one-process forward sums them."""
+    return forward(FORWARD_PHASES, x, shift, None, None, None, None, None, data_format, False,
+                   None, num_threads, formula=FORWARD_REDUCE)
+
+
+def forward_apply(x, shift, gamma, beta, sums, count, *, epsilon, data_format, relu=False,
+                  out=None, num_threads=None):
+    """The forward's outputs from the global sums around `shift` and the global count:
+    (y, _, _, batch_mean, batch_variance) - the two running statistics equal the batch ones
+    here (momentum 0); the layer keeps its own."""
+    return forward(FORWARD_PHASES, x, shift, shift, gamma, beta, epsilon, 0.0, data_format,
+                   relu, out, num_threads, formula=FORWARD_APPLY, partial=sums, count=count)

@@ -34,3 +34,23 @@ def backward_apply(
     relu_dst: ArrayLike | None = None,
     diff_residual: Any | None = None,
 ) -> BackwardResult: ...
+
+FORWARD_PHASES: Convention
+
+def forward_reduce(
+    x: ArrayLike, shift: ArrayLike, *, data_format: str, num_threads: int | None = None
+) -> tuple[NDArray[np.float64], int]: ...
+def forward_apply(
+    x: ArrayLike,
+    shift: ArrayLike,
+    gamma: ArrayLike | None,
+    beta: ArrayLike | None,
+    sums: ArrayLike,
+    count: int,
+    *,
+    epsilon: float,
+    data_format: str,
+    relu: bool = False,
+    out: Any = None,
+    num_threads: int | None = None,
+) -> tuple[NDArray[Any], ...]: ...

@@ -278,6 +278,13 @@ cdef enum:  # Formula
     DO_APPLY = OP_GIVEN_SUMS | OP_TRAINING | OP_DX | OP_PARAMS   # the two-phase apply
     # y and the statistics (OP_TRAINING: like the training dx, y needs the sums first)
     DO_FORWARD = OP_FORWARD | OP_REDUCE | OP_TRAINING | OP_DX
+    # the forward in two phases: sums around a given shift (in mean's slot), then y from
+    # given sums (the torch layers' SyncBatchNorm)
+    DO_FORWARD_REDUCE = OP_FORWARD | OP_REDUCE | OP_RETURN_SUMS
+    DO_FORWARD_APPLY = OP_FORWARD | OP_GIVEN_SUMS | OP_TRAINING | OP_DX
+    # dscale and dbias only, from x and dy or from given sums (the torch layers)
+    DO_PARAMS = OP_REDUCE | OP_PARAMS
+    DO_PARAMS_FROM_SUMS = OP_GIVEN_SUMS | OP_PARAMS
 
 # Elements below which threads cost more than they bring: such calls run on the calling thread.
 cdef enum:

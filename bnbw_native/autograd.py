@@ -8,12 +8,13 @@ Design:
   torch.ops.bnbw_native.batch_norm_train and ...batch_norm_train_backward, with fake
   implementations and an autograd formula, so the layers run in eager mode, under
   torch.compile and under torch.func transforms alike.
-* Forward (training): per-channel batch mean and biased variance from the kernel's own
-  reduction (backward_reduce with dy = x: Sum x and Sum (x - c) x, exact float64 products,
-  float64 sums; a second pass around the mean only when |mean| >> std), then
-  y = (x - mean) / sqrt(var + eps) * weight + bias by torch's own batch_norm with those
-  statistics (and ReLU in place for the fused layers).  The Sync layers gather (count, mean,
-  M2) of every rank and merge them in rank order in float64, so every rank holds the same bits.
+* Forward (training): the engine's training forward (bnbw_native.batchnorm_training_forward):
+  the batch mean and biased variance from exact float64 sums, y = weight * (x - mean) /
+  sqrt(var + eps) + bias written straight into the tensor returned (and the ReLU in the same
+  pass for the fused layers); the layer updates its running statistics with PyTorch's momentum
+  and the unbiased variance.  The Sync layers run the forward in two phases: the sums and
+  counts all-reduced once (a second time only for channels whose mean lies far from zero), so
+  every rank holds the same bits.
 * Backward: x and dy reach the kernel as NumPy views of the torch tensors' memory and dx is
   written straight into the tensor handed back to autograd: no copy.  Channels-first tensors
   go as they are with data_format "NCX"; channels-last ones as their (N, *spatial, C) view with
@@ -22,8 +23,8 @@ Design:
 * Parameter gradients are LOCAL (this rank's rows) in the Sync layers, as in
   torch.nn.SyncBatchNorm: DistributedDataParallel averages them with every other parameter.
   dx uses the global sums (one all-reduce of 2*C float64 sums and the count).
-* Eval mode with running statistics, and float64 input (torch.autograd.gradcheck): torch's own
-  batch norm (and ReLU).
+* Eval mode, and float64 input (torch.autograd.gradcheck): torch's own batch norm (and ReLU).
+* Threads: num_threads None follows torch (torch.get_num_threads()) at every call.
 Storage types: x float32, float16 or bfloat16 (bfloat16 needs ml_dtypes); parameters and
 statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not supported.
 """
@@ -33,8 +34,16 @@ except ImportError as exc:  # an optional extra
     raise ImportError("bnbw_native.autograd needs PyTorch: pip install 'bnbw_native[torch]'") \
         from exc
 
-from . import _torch_ops
+from . import _engine, _torch_ops
+from ._arrays import check_epsilon
 from ._torch_ops import STORAGE
+
+
+def _check_options(eps, num_threads):
+    """eps: finite and > 0 as a float32 (torch would accept a NaN and give NaN outputs);
+    num_threads: None (torch's own count, torch.get_num_threads()) or a positive int."""
+    check_epsilon(eps, "eps")
+    _engine.requested_threads(num_threads)
 
 
 def _check_input(x, num_features):
@@ -64,6 +73,7 @@ def batch_norm(x, weight=None, bias=None, *, eps=1e-5, relu=False, num_threads=N
     """Training-mode batch norm over (N, C, *) with the bnbw_native backward; returns y
     (max(y, 0) when relu).  float64 input runs torch's own batch norm."""
     _check_input(x, None)
+    _check_options(eps, num_threads)
     if x.dtype == torch.float64:
         _check_float64(x, (("weight", weight), ("bias", bias)))
         y = torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
@@ -95,6 +105,7 @@ class BatchNorm(torch.nn.Module):
         super().__init__()
         factory = {"device": device, "dtype": dtype or torch.float32}
         self.num_features = int(num_features)
+        _check_options(eps, num_threads)
         self.eps = float(eps)
         self.momentum = momentum
         self.affine = affine
@@ -126,7 +137,7 @@ class BatchNorm(torch.nn.Module):
 
     def forward(self, x):
         _check_input(x, self.num_features)
-        if x.dtype == torch.float64 or not (self.training or self.running_mean is None):
+        if x.dtype == torch.float64 or not self.training:
             return self._torch_forward(x)
         group = self._group_key()
         if not group and x.numel() <= x.shape[1]:

@@ -316,3 +316,71 @@ def test_training_follows_batchnorm2d(channels_last):
 def test_bad_input_is_refused(x, error, match):
     with pytest.raises(error, match=match):
         bag.BatchNorm(3)(x)
+
+
+# ---- the forward in the engine, threads, refusals ---------------------------------------
+
+@pytest.mark.parametrize("eps", [float("nan"), 0.0, -1e-5, float("inf"), 1e-50])
+def test_an_eps_that_is_not_a_positive_float32_is_refused_at_once(eps):
+    """torch.nn.BatchNorm2d takes eps=nan and returns NaN; these layers refuse it when made."""
+    with pytest.raises(ValueError, match="eps must be finite and > 0"):
+        bag.BatchNorm(3, eps=eps)
+    with pytest.raises(ValueError, match="eps must be finite and > 0"):
+        bag.batch_norm(torch.randn(4, 3), eps=eps)
+
+
+def test_num_threads_is_checked_when_the_layer_is_made():
+    with pytest.raises(ValueError, match="num_threads"):
+        bag.BatchNorm(3, num_threads=0)
+    with pytest.raises(TypeError, match="num_threads"):
+        bag.BatchNormReLU(3, num_threads=1.5)
+
+
+def test_the_layers_follow_torchs_thread_count(monkeypatch):
+    """Without num_threads, the forward and the backward run on torch.get_num_threads()
+    threads, read at every call."""
+    from bnbw_native import _torch_ops
+    seen = []
+    real = _torch_ops.threads
+    monkeypatch.setattr(_torch_ops, "threads", lambda n: seen.append(real(n)) or real(n))
+    before = torch.get_num_threads()
+    layer = bag.BatchNorm(3)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            x = torch.randn(8, 3, 5, 5, requires_grad=True)
+            layer(x).sum().backward()
+            assert seen[-2:] == [n, n]
+    finally:
+        torch.set_num_threads(before)
+    assert real(5) == 5
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_layer_forward_is_the_engines_forward(relu, channels_last):
+    """y and the batch statistics come from bnbw_native.batchnorm_training_forward, bit for
+    bit; the running statistics follow PyTorch's momentum and unbiased variance."""
+    import numpy as np
+    import bnbw_native as bn
+    torch.manual_seed(3)
+    layer = (bag.BatchNormReLU if relu else bag.BatchNorm)(4, momentum=0.3)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 1.5, 4))
+        layer.bias.copy_(torch.linspace(-1, 1, 4))
+    x = torch.randn(6, 4, 5, 7) * 3 + 1
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = layer(x)
+    xs = x.permute(0, 2, 3, 1).numpy() if channels_last else x.numpy()
+    want = bn.batchnorm_training_forward(
+        xs, np.zeros(4, np.float32), np.ones(4, np.float32), layer.weight.detach().numpy(),
+        layer.bias.detach().numpy(), epsilon=1e-5, data_format="NXC" if channels_last else "NCX",
+        fuse_relu=relu)
+    got = y.detach().permute(0, 2, 3, 1).numpy() if channels_last else y.detach().numpy()
+    assert np.array_equal(got, want.dst)
+    assert y.is_contiguous(memory_format=torch.channels_last) == channels_last
+    M = 6 * 5 * 7
+    expect_var = 0.7 * 1.0 + 0.3 * want.batch_variance.astype(np.float64) * M / (M - 1)
+    assert np.allclose(layer.running_var.numpy(), expect_var, rtol=1e-6)
+    assert np.allclose(layer.running_mean.numpy(), 0.3 * want.batch_mean, rtol=1e-6)

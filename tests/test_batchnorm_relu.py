@@ -176,16 +176,20 @@ def test_backward_hands_views_to_the_kernel(monkeypatch):
     assert seen["out"].__array_interface__["data"][0] == xin.grad.data_ptr()
 
 
-def test_engine_mask_gives_the_same_bits(monkeypatch):
-    # the layers mask the gradient in the engine (relu_dst=); torch's threshold_backward
-    # followed by the plain kernel must give the very same results
+def test_the_fused_layer_is_the_plain_layer_then_relu_bit_for_bit():
+    """The fused layer's y is the ReLU of the plain layer's (the engine's forward), and its
+    backward - the engine masking the gradient with y - equals the plain layer's backward on
+    the masked gradient (what torch's threshold_backward would pass it)."""
     x, g = data((5, 6, 7, 3), seed=6, memory_format=torch.channels_last)
-    ours, _ = pair(6)
-    twin = copy.deepcopy(ours)
-    first = run(ours, x, g)
-    monkeypatch.setattr(ops, "ENGINE_RELU", False)
-    second = run(twin, x, g)
-    for a, b in zip(first, second):
+    fused, _ = pair(6)
+    plain = bag.BatchNorm(6)
+    plain.load_state_dict(fused.state_dict())
+    y, dx, dw, db = run(fused, x, g)
+    y_plain = plain(x.detach().clone(memory_format=torch.preserve_format))
+    assert torch.equal(y, torch.relu(y_plain))
+    masked = torch.where(y > 0, g, torch.zeros(()))
+    _, dx_plain, dw_plain, db_plain = run(plain, x, masked)
+    for a, b in ((dx, dx_plain), (dw, dw_plain), (db, db_plain)):
         assert torch.equal(a, b)
 
 
