@@ -854,3 +854,24 @@ def test_num_outputs_bad_value_is_refused(rng, num_outputs):
 def test_num_outputs_wrong_type_is_refused(rng, num_outputs):
     with pytest.raises(TypeError, match=named("num_outputs")):
         call_with(rng, num_outputs=num_outputs)
+
+
+def test_an_infinite_gamma_times_r_gives_no_finite_dx_in_its_channel_only():
+    """Where gamma * r is not finite (gamma = +-inf, or variance + epsilon rounding to 0) dx is
+    not finite in that channel (NaN or +-inf: the engine adds the infinite terms of
+    gamma*r*dy + k2*(x - mean) + k3 one by one; docs/contract.md).  dgamma and dbeta follow
+    IEEE; other channels are unaffected."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 3)).astype(np.float32)
+    dy = rng.standard_normal((6, 3)).astype(np.float32)
+    mean, var = x.mean(0), x.var(0)
+    gamma = np.array([np.inf, 1, -np.inf], np.float32)
+    got = bnbw_native.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=EPSILON)
+    assert not np.isfinite(got.diff_src[:, [0, 2]]).any()
+    assert np.isfinite(got.diff_src[:, 1]).all()
+    assert np.isfinite(got.diff_gamma).all() and np.isfinite(got.diff_beta).all()
+    var[1] = -np.float32(EPSILON)            # variance + epsilon == 0: r = inf
+    got = bnbw_native.batchnorm_training_backward(x, dy, mean, var, epsilon=EPSILON)
+    assert not np.isfinite(got.diff_src[:, 1]).any()
+    assert np.isfinite(got.diff_src[:, [0, 2]]).all()
+    assert np.isinf(got.diff_gamma[1])
