@@ -11,8 +11,7 @@ from libc.string cimport strncpy
 from cpython.pycapsule cimport PyCapsule_New
 
 from bnbw_native._vocabulary cimport (
-    N_SLOTS, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE, S_BETA, S_DSCALE, S_DBIAS, S_RUN_MEAN,
-    S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_FORWARD, bnbw_data_type, bnbw_operator_type,
+    N_SLOTS, OP_FORWARD, bnbw_data_type, bnbw_operator_type,
     bnbw_batch_normalization_grad_desc, bnbw_batch_normalization_training_desc, bnbw_bindings,
     bnbw_training_bindings, bnbw_status,
     BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT,
@@ -70,37 +69,34 @@ cdef bnbw_status c_create_operator(bnbw_operator_type type,
                      BNBW_MESSAGE_CAP)
 
 
-cdef bnbw_status c_execute(const bnbw_operator *op, const bnbw_bindings *bindings,
-                           int num_threads) noexcept nogil:
+cdef bnbw_status _execute(const bnbw_operator *op, bint training, const void **members,
+                          int num_threads) noexcept nogil:
+    """Run `op` on buffers given in its members' order, after checking that it is of the kind
+    this execute runs (a NULL op is op_execute's to refuse)."""
+    cdef const OperatorImpl *impl = <const OperatorImpl *> op
     cdef const void *ptr[N_SLOTS]
     cdef int i
-    if bindings == NULL:
-        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
-        return BNBW_ERROR_NULL_POINTER
-    if _is_training(op, 0) != BNBW_OK:
-        return BNBW_ERROR_OPERATOR_TYPE
-    for i in range(N_SLOTS):
-        ptr[i] = NULL
-    ptr[S_X] = bindings.input
-    ptr[S_DY] = bindings.input_gradient
-    ptr[S_MEAN] = bindings.mean
-    ptr[S_VAR] = bindings.variance
-    ptr[S_SCALE] = bindings.scale
-    ptr[S_DX] = bindings.output_gradient
-    ptr[S_DSCALE] = bindings.output_scale_gradient
-    ptr[S_DBIAS] = bindings.output_bias_gradient
-    return op_execute(<const OperatorImpl *> op, ptr, num_threads, bnbw_thread_message(),
-                      BNBW_MESSAGE_CAP)
-
-
-cdef bnbw_status _is_training(const bnbw_operator *op, bint training) noexcept nogil:
-    """Whether `op` is of the kind this execute runs (a NULL op is op_execute's to refuse)."""
-    if op != NULL and ((<const OperatorImpl *> op).op & OP_FORWARD != 0) != training:
+    if impl != NULL and (impl.op & OP_FORWARD != 0) != training:
         snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "op: a %s operator; run it with %s",
                  "gradient" if training else "training-forward",
                  "execute" if training else "execute_training")
         return BNBW_ERROR_OPERATOR_TYPE
-    return BNBW_OK
+    for i in range(N_SLOTS):
+        ptr[i] = NULL
+    for i in range(impl.n_members if impl != NULL else 0):
+        ptr[impl.members[i]] = members[i]
+    return op_execute(impl, ptr, num_threads, bnbw_thread_message(), BNBW_MESSAGE_CAP)
+
+
+cdef bnbw_status c_execute(const bnbw_operator *op, const bnbw_bindings *b,
+                           int num_threads) noexcept nogil:
+    cdef const void *members[8]
+    if b == NULL:
+        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
+    members[:] = [b.input, b.input_gradient, b.mean, b.variance, b.scale, b.output_gradient,
+                  b.output_scale_gradient, b.output_bias_gradient]
+    return _execute(op, False, members, num_threads)
 
 
 cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_training_desc *desc,
@@ -112,30 +108,15 @@ cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_train
                               bnbw_thread_message(), BNBW_MESSAGE_CAP)
 
 
-cdef bnbw_status c_execute_training(const bnbw_operator *op,
-                                    const bnbw_training_bindings *bindings,
+cdef bnbw_status c_execute_training(const bnbw_operator *op, const bnbw_training_bindings *b,
                                     int num_threads) noexcept nogil:
-    cdef const void *ptr[N_SLOTS]
-    cdef int i
-    if bindings == NULL:
+    cdef const void *members[10]
+    if b == NULL:
         snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
         return BNBW_ERROR_NULL_POINTER
-    if _is_training(op, 1) != BNBW_OK:
-        return BNBW_ERROR_OPERATOR_TYPE
-    for i in range(N_SLOTS):
-        ptr[i] = NULL
-    ptr[S_X] = bindings.input
-    ptr[S_MEAN] = bindings.mean
-    ptr[S_VAR] = bindings.variance
-    ptr[S_SCALE] = bindings.scale
-    ptr[S_BETA] = bindings.bias
-    ptr[S_DX] = bindings.output
-    ptr[S_RUN_MEAN] = bindings.output_running_mean
-    ptr[S_RUN_VAR] = bindings.output_running_variance
-    ptr[S_BATCH_MEAN] = bindings.output_batch_mean
-    ptr[S_BATCH_VAR] = bindings.output_batch_variance
-    return op_execute(<const OperatorImpl *> op, ptr, num_threads, bnbw_thread_message(),
-                      BNBW_MESSAGE_CAP)
+    members[:] = [b.input, b.mean, b.variance, b.scale, b.bias, b.output, b.output_running_mean,
+                  b.output_running_variance, b.output_batch_mean, b.output_batch_variance]
+    return _execute(op, True, members, num_threads)
 
 
 cdef void c_destroy_operator(bnbw_operator *op) noexcept nogil:

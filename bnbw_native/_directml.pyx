@@ -228,10 +228,12 @@ cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
     return True
 
 
-cdef bnbw_status _op_build(OperatorImpl *proto, const bnbw_tensor_desc **descs,
-                           const Epsilon *eps, const Epsilon *momentum, OperatorImpl **out,
-                           char *msg, size_t cap) noexcept nogil:
-    """A new operator like `proto` (kind, members, rules): every check, then the plan."""
+cdef bnbw_status _op_build(int kind, const Rules *rules, const int *members, int n_members,
+                           const bnbw_tensor_desc **descs, const Epsilon *eps,
+                           const Epsilon *momentum, OperatorImpl **out, char *msg,
+                           size_t cap) noexcept nogil:
+    """A new operator of `kind` (its op) over `members` (descs in their order): every check,
+    then the plan."""
     cdef OperatorImpl *op
     cdef Arg a[N_ROLES]
     cdef Layout layout
@@ -240,10 +242,10 @@ cdef bnbw_status _op_build(OperatorImpl *proto, const bnbw_tensor_desc **descs,
     if op == NULL:
         snprintf(msg, cap, "out of memory")
         return BNBW_ERROR_OUT_OF_MEMORY
-    op.op = proto.op
-    op.rules = proto.rules
-    op.members = proto.members
-    op.n_members = proto.n_members
+    op.op = kind
+    op.rules = rules
+    op.members = members
+    op.n_members = n_members
     rc = operator_check(op, descs, eps, momentum, a, msg, cap)
     if rc != BNBW_OK:
         free(op)
@@ -260,67 +262,51 @@ cdef bnbw_status _op_build(OperatorImpl *proto, const bnbw_tensor_desc **descs,
     return BNBW_OK
 
 
-cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *desc,
-                           const Epsilon *eps, OperatorImpl **out, char *msg,
-                           size_t cap) noexcept nogil:
-    """A new gradient operator.  eps: the epsilon as the caller gave it (C: desc.epsilon)."""
-    cdef OperatorImpl proto
-    cdef const bnbw_tensor_desc *descs[N_MEMBERS]
+cdef bnbw_status _no_operator_yet(const void *desc, OperatorImpl **out, char *msg,
+                                  size_t cap) noexcept nogil:
+    """The pointers every create needs: where the operator goes (cleared), its descriptor."""
     if out == NULL:
         snprintf(msg, cap, "op: the pointer receiving the operator is NULL")
         return BNBW_ERROR_NULL_POINTER
     out[0] = NULL
-    if type != BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD \
-            and type != BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD:
-        snprintf(msg, cap, "type must be BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD (1) or "
-                 "BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD (2), got %d", type)
-        return BNBW_ERROR_OPERATOR_TYPE
     if desc == NULL:
         snprintf(msg, cap, "desc: the operator descriptor pointer is NULL")
         return BNBW_ERROR_NULL_POINTER
-    descs[0] = desc.input
-    descs[1] = desc.input_gradient
-    descs[2] = desc.mean
-    descs[3] = desc.variance
-    descs[4] = desc.scale
-    descs[5] = desc.output_gradient
-    descs[6] = desc.output_scale_gradient
-    descs[7] = desc.output_bias_gradient
-    proto.op = DO_TRAINING if type == BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD else DO_FROZEN
-    proto.rules = RULES
-    proto.members = MEMBER_SLOTS
-    proto.n_members = N_MEMBERS
-    return _op_build(&proto, descs, eps, NULL, out, msg, cap)
+    return BNBW_OK
+
+
+cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *desc,
+                           const Epsilon *eps, OperatorImpl **out, char *msg,
+                           size_t cap) noexcept nogil:
+    """A new gradient operator.  eps: the epsilon as the caller gave it (C: desc.epsilon)."""
+    cdef const bnbw_tensor_desc *descs[N_MEMBERS]
+    if type != BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD \
+            and type != BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD and out != NULL:
+        out[0] = NULL
+        snprintf(msg, cap, "type must be BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD (1) or "
+                 "BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD (2), got %d", type)
+        return BNBW_ERROR_OPERATOR_TYPE
+    if _no_operator_yet(desc, out, msg, cap) != BNBW_OK:
+        return BNBW_ERROR_NULL_POINTER
+    descs[:] = [desc.input, desc.input_gradient, desc.mean, desc.variance, desc.scale,
+                desc.output_gradient, desc.output_scale_gradient, desc.output_bias_gradient]
+    return _op_build(DO_TRAINING if type == BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD
+                     else DO_FROZEN, RULES, MEMBER_SLOTS, N_MEMBERS, descs, eps, NULL, out, msg,
+                     cap)
 
 
 cdef bnbw_status op_create_training(const bnbw_batch_normalization_training_desc *desc,
                                     const Epsilon *eps, const Epsilon *momentum,
                                     OperatorImpl **out, char *msg, size_t cap) noexcept nogil:
     """A new training-forward operator; eps and momentum as the caller gave them."""
-    cdef OperatorImpl proto
     cdef const bnbw_tensor_desc *descs[N_TRAINING_MEMBERS]
-    if out == NULL:
-        snprintf(msg, cap, "op: the pointer receiving the operator is NULL")
+    if _no_operator_yet(desc, out, msg, cap) != BNBW_OK:
         return BNBW_ERROR_NULL_POINTER
-    out[0] = NULL
-    if desc == NULL:
-        snprintf(msg, cap, "desc: the operator descriptor pointer is NULL")
-        return BNBW_ERROR_NULL_POINTER
-    descs[0] = desc.input
-    descs[1] = desc.mean
-    descs[2] = desc.variance
-    descs[3] = desc.scale
-    descs[4] = desc.bias
-    descs[5] = desc.output
-    descs[6] = desc.output_running_mean
-    descs[7] = desc.output_running_variance
-    descs[8] = desc.output_batch_mean
-    descs[9] = desc.output_batch_variance
-    proto.op = DO_FORWARD | (OP_RELU if desc.fuse_relu else 0)
-    proto.rules = TRAINING_RULES
-    proto.members = TRAINING_SLOTS
-    proto.n_members = N_TRAINING_MEMBERS
-    return _op_build(&proto, descs, eps, momentum, out, msg, cap)
+    descs[:] = [desc.input, desc.mean, desc.variance, desc.scale, desc.bias, desc.output,
+                desc.output_running_mean, desc.output_running_variance, desc.output_batch_mean,
+                desc.output_batch_variance]
+    return _op_build(DO_FORWARD | (OP_RELU if desc.fuse_relu else 0), TRAINING_RULES,
+                     TRAINING_SLOTS, N_TRAINING_MEMBERS, descs, eps, momentum, out, msg, cap)
 
 
 cdef void op_destroy(OperatorImpl *op) noexcept nogil:
@@ -559,75 +545,25 @@ cdef class Operator:
         cdef char msg[MESSAGE_CAP]
         cdef bnbw_status rc = BNBW_OK
         cdef int i, slot, threads = requested_threads(num_threads)
-        cdef bint output
         cdef Py_ssize_t nbytes
-        keep = [None] * self.impl.n_members
         for i in range(N_TRAINING_MEMBERS):
             held[i] = False
         for i in range(N_SLOTS):
             ptr[i] = NULL
         try:
             for i in range(self.impl.n_members):
-                obj = buffers[i]
-                name = self.members[i]
                 slot = self.impl.members[i]
-                output = is_output(slot)
-                nbytes = -1
-                if obj is None and self.impl.t[slot].ndim == 0:
+                if buffers[i] is None and self.impl.t[slot].ndim == 0:
                     continue
-                if isinstance(obj, (bool, np.bool_)):
-                    raise TypeError(f"{name} must be a buffer or an int address, got bool")
-                if obj is None:
-                    raise TypeError(f"{name} must be a buffer or an int address, got None")
                 if self.impl.t[slot].ndim == 0:
-                    raise ValueError(f"{name}: the operator was made without it (its "
+                    raise ValueError(f"{self.members[i]}: the operator was made without it (its "
                                      "descriptor was None), so its buffer must be None")
-                if isinstance(obj, numbers.Integral):
-                    address = int(obj)
-                    if not 0 < address <= POINTER_MAX:
-                        raise ValueError(f"{name}: an integer address must be positive and "
-                                         f"fit a pointer, got {address}")
-                    ptr[slot] = <const void *> <uintptr_t> address
-                elif isinstance(obj, np.ndarray):
-                    if obj.dtype.hasobject:
-                        raise TypeError(f"{name}: an array of Python objects is not raw "
-                                        "memory")
-                    if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
-                        raise ValueError(f"{name}: the array is not contiguous; a buffer must "
-                                         "be contiguous raw memory")
-                    if output and not obj.flags.writeable:
-                        raise ValueError(f"{name}: the array is read-only; output buffers must "
-                                         "be writable")
-                    keep[i] = obj
-                    ptr[slot] = <const void *> <uintptr_t> obj.__array_interface__["data"][0]
-                    nbytes = obj.nbytes
-                else:
-                    try:
-                        PyObject_GetBuffer(obj, &views[i], PyBUF_FULL_RO)
-                    except (TypeError, BufferError, ValueError) as exc:
-                        raise TypeError(f"{name} must be a buffer (bytes-like object, NumPy "
-                                        f"array) or an int address, got "
-                                        f"{type(obj).__name__}") from None
-                    held[i] = True
-                    pointer = _pointer_object(&views[i])
-                    if pointer is not None:
-                        raise TypeError(f"{name}: {type(obj).__name__} is a pointer object "
-                                        f"(buffer format {pointer!r}): its buffer is the "
-                                        "pointer's own bytes, not the memory it points to; "
-                                        "pass the address as an int instead (ptr.value, or "
-                                        "ctypes.cast(ptr, ctypes.c_void_p).value)")
-                    if not PyBuffer_IsContiguous(&views[i], b'A'):
-                        raise ValueError(f"{name}: the buffer is not contiguous; a buffer must "
-                                         "be contiguous raw memory")
-                    if output and views[i].readonly:
-                        raise ValueError(f"{name}: the buffer is read-only; output buffers "
-                                         "must be writable")
-                    ptr[slot] = views[i].buf
-                    nbytes = views[i].len
+                ptr[slot] = _address(buffers[i], self.members[i], is_output(slot), &views[i],
+                                     &held[i], &nbytes)
                 if nbytes >= 0 and nbytes < self.impl.t[slot].minimum:
-                    raise ValueError(f"{name}: the buffer holds {nbytes} bytes, the descriptor "
-                                     f"needs at least {self.impl.t[slot].minimum} (its minimum "
-                                     "size)")
+                    raise ValueError(f"{self.members[i]}: the buffer holds {nbytes} bytes, the "
+                                     f"descriptor needs at least {self.impl.t[slot].minimum} "
+                                     "(its minimum size)")
             with nogil:
                 rc = op_execute(self.impl, ptr, threads, msg, MESSAGE_CAP)
         finally:
@@ -636,3 +572,49 @@ cdef class Operator:
                     PyBuffer_Release(&views[i])
         if rc != BNBW_OK:
             raise_status(rc, msg)
+
+
+cdef const void *_address(object obj, str name, bint output, Py_buffer *view, bint *held,
+                          Py_ssize_t *nbytes) except? NULL:
+    """The memory a bound buffer gives: an int address (trusted; nbytes -1), a NumPy array's
+    data (read as raw contiguous memory), or a buffer-protocol object's (held in `view` until
+    the call is done).  TypeError / ValueError naming the member for anything else."""
+    nbytes[0] = -1
+    if isinstance(obj, (bool, np.bool_)) or obj is None:
+        raise TypeError(f"{name} must be a buffer or an int address, got "
+                        f"{type(obj).__name__}")
+    if isinstance(obj, numbers.Integral):
+        address = int(obj)
+        if not 0 < address <= POINTER_MAX:
+            raise ValueError(f"{name}: an integer address must be positive and fit a pointer, "
+                             f"got {address}")
+        return <const void *> <uintptr_t> address
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise TypeError(f"{name}: an array of Python objects is not raw memory")
+        if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
+            raise ValueError(f"{name}: the array is not contiguous; a buffer must be contiguous "
+                             "raw memory")
+        if output and not obj.flags.writeable:
+            raise ValueError(f"{name}: the array is read-only; output buffers must be writable")
+        nbytes[0] = obj.nbytes
+        return <const void *> <uintptr_t> obj.__array_interface__["data"][0]
+    try:
+        PyObject_GetBuffer(obj, view, PyBUF_FULL_RO)
+    except (TypeError, BufferError, ValueError):
+        raise TypeError(f"{name} must be a buffer (bytes-like object, NumPy array) or an int "
+                        f"address, got {type(obj).__name__}") from None
+    held[0] = True
+    pointer = _pointer_object(view)
+    if pointer is not None:
+        raise TypeError(f"{name}: {type(obj).__name__} is a pointer object (buffer format "
+                        f"{pointer!r}): its buffer is the pointer's own bytes, not the memory "
+                        "it points to; pass the address as an int instead (ptr.value, or "
+                        "ctypes.cast(ptr, ctypes.c_void_p).value)")
+    if not PyBuffer_IsContiguous(view, b'A'):
+        raise ValueError(f"{name}: the buffer is not contiguous; a buffer must be contiguous "
+                         "raw memory")
+    if output and view.readonly:
+        raise ValueError(f"{name}: the buffer is read-only; output buffers must be writable")
+    nbytes[0] = view.len
+    return view.buf

@@ -47,6 +47,15 @@ def simd_path():
     return bnbw_half_simd_path(simd_converters()).decode("ascii")
 
 
+cdef int _itemsize(str kind) except -1:
+    """The element size of a conversion's narrow side: kind 'f16', 'bf16' or 'f32'."""
+    if kind == "f16" or kind == "bf16":
+        return 2
+    if kind == "f32":
+        return 4
+    raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
+
+
 cdef int _check(cnp.ndarray narrow, int itemsize, cnp.ndarray wide, bint narrow_out) except -1:
     if cnp.PyArray_NDIM(narrow) != 1 or cnp.PyArray_NDIM(wide) != 1:
         raise ValueError("expected 1-d arrays")
@@ -94,16 +103,9 @@ cdef void _store(store_fn fn, const float *src, int64_t n, char *dst, int64_t st
 def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
     """Widen 1-d `src` (kind 'f16', 'bf16' or 'f32'; any byte stride) into contiguous float32
     `dst` on num_threads threads (0: the package default), resolved as every call is."""
-    cdef load_fn fn
-    cdef int itemsize = 2
-    if kind == "f16":
-        fn = bnbw_load_f16
-    elif kind == "bf16":
-        fn = bnbw_load_bf16
-    elif kind == "f32":
-        fn, itemsize = _load_f32, 4
-    else:
-        raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
+    cdef int itemsize = _itemsize(kind)
+    cdef load_fn fn = (bnbw_load_f16 if kind == "f16" else
+                       bnbw_load_bf16 if kind == "bf16" else _load_f32)
     cdef int threads = resolve_threads(num_threads)
     _check(src, itemsize, dst, False)
     cdef const char *sp = <const char *>cnp.PyArray_DATA(src)
@@ -117,16 +119,9 @@ def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int nu
 def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
     """Narrow contiguous float32 `src` into 1-d `dst` (kind 'f16', 'bf16' or 'f32'; any byte
     stride) on num_threads threads (0: the package default)."""
-    cdef store_fn fn
-    cdef int itemsize = 2
-    if kind == "f16":
-        fn = bnbw_store_f16
-    elif kind == "bf16":
-        fn = bnbw_store_bf16
-    elif kind == "f32":
-        fn, itemsize = _store_f32, 4
-    else:
-        raise ValueError(f"kind: expected 'f16', 'bf16' or 'f32', got {kind!r}")
+    cdef int itemsize = _itemsize(kind)
+    cdef store_fn fn = (bnbw_store_f16 if kind == "f16" else
+                        bnbw_store_bf16 if kind == "bf16" else _store_f32)
     cdef int threads = resolve_threads(num_threads)
     _check(dst, itemsize, src, True)
     cdef const float *sp = <const float *>cnp.PyArray_DATA(src)

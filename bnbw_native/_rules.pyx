@@ -424,6 +424,16 @@ cdef bnbw_status _check_momentum(const Rules *r, const Epsilon *m, char *msg,
     return BNBW_ERROR_EPSILON
 
 
+cdef bnbw_status _check_reals(const Rules *r, const Epsilon *eps, const Epsilon *momentum,
+                              char *msg, size_t cap) noexcept nogil:
+    """epsilon and momentum, where the call has them (NULL where not)."""
+    if eps != NULL and check_epsilon_value(r, eps, msg, cap) != BNBW_OK:
+        return BNBW_ERROR_EPSILON
+    if momentum != NULL:
+        return _check_momentum(r, momentum, msg, cap)
+    return BNBW_OK
+
+
 cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
                                const Epsilon *momentum, int64_t count, int64_t *channels,
                                char *msg, size_t cap) noexcept nogil:
@@ -518,14 +528,9 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
         snprintf(msg, cap, "%s needs %s: it receives the gradient that passes the ReLU of the "
                  "forward", r.labels[S_DRES], r.names[S_MASK])
         return BNBW_ERROR_NULL_POINTER
-    if eps != NULL:
-        rc = check_epsilon_value(r, eps, msg, cap)
-        if rc != BNBW_OK:
-            return rc
-    if momentum != NULL:
-        rc = _check_momentum(r, momentum, msg, cap)
-        if rc != BNBW_OK:
-            return rc
+    rc = _check_reals(r, eps, momentum, msg, cap)
+    if rc != BNBW_OK:
+        return rc
     if op & OP_GIVEN_SUMS:
         if a[S_PARTIAL].dtype != DT_F64:
             snprintf(msg, cap, "%s must be a float64 array of shape (2, C) from "
@@ -597,7 +602,7 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *
             snprintf(msg, cap, "%s: data_type %s differs from input's %s; all tensors share "
                      "one data type", r.labels[m], a[m].type_name, x.type_name)
             return BNBW_ERROR_DATA_TYPE
-    for i in range(1, 13):
+    for i in range(1, 13):       # (after every data type: a type mismatch is reported first)
         m = members[i]
         if a[m].present and a[m].ndim != x.ndim:
             snprintf(msg, cap, "%s: sizes have %d dimensions, input's %d; all tensors share "
@@ -632,14 +637,9 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *
     channels[0] = 1
     for d in range(x.ndim):
         channels[0] *= a[S_MEAN].shape[d]
-    if eps != NULL:
-        rc = check_epsilon_value(r, eps, msg, cap)
-        if rc != BNBW_OK:
-            return rc
-    if momentum != NULL:
-        rc = _check_momentum(r, momentum, msg, cap)
-        if rc != BNBW_OK:
-            return rc
+    rc = _check_reals(r, eps, momentum, msg, cap)
+    if rc != BNBW_OK:
+        return rc
     for i in range(1, 13):
         m = members[i]
         if a[m].present and _is_output(m):

@@ -53,6 +53,23 @@ def _stats_to_float64(a, name, ndim, axes):
     return a
 
 
+def _channel_layout(src, data_format):
+    """The reduced axes of an array convention's src, and the reshaping of its 1-D statistics
+    to src's rank (size 1 on the reduced axes)."""
+    if data_format not in ("NXC", "NCX"):
+        raise ValueError(f"data_format: expected 'NXC' or 'NCX', got {data_format!r}")
+    if src.ndim < 2:
+        raise ValueError(f"src: expected rank 2 to 8, got rank {src.ndim}")
+    channel_axis = 1 if data_format == "NCX" else src.ndim - 1
+    reduce_axes = tuple(i for i in range(src.ndim) if i != channel_axis)
+    stats_shape = tuple(n if i == channel_axis else 1 for i, n in enumerate(src.shape))
+
+    def as_stats(a):
+        return None if a is None else np.asarray(a).reshape(stats_shape)
+
+    return reduce_axes, as_stats
+
+
 def backward(x, dy, mean, variance, scale=None, *, epsilon, reduce_axes, formula="training",
              count=None):
     """Batch-norm backward in float64; returns ``(dx, dscale, dbias)``.
@@ -100,19 +117,10 @@ def batchnorm_training_backward(src, diff_dst, mean, variance, gamma=None, *, ep
     when only diff_src is requested: ``diff_dst / sqrt(variance + epsilon)``, gamma ignored, and
     diff_gamma, diff_beta are None.
     """
-    if data_format not in ("NXC", "NCX"):
-        raise ValueError(f"data_format: expected 'NXC' or 'NCX', got {data_format!r}")
     if num_outputs not in (1, 3):
         raise ValueError(f"num_outputs: expected 1 or 3, got {num_outputs!r}")
     src = np.asarray(src)
-    if src.ndim < 2:
-        raise ValueError(f"src: expected rank 2 to 8, got rank {src.ndim}")
-    channel_axis = 1 if data_format == "NCX" else src.ndim - 1
-    reduce_axes = tuple(i for i in range(src.ndim) if i != channel_axis)
-    stats_shape = tuple(n if i == channel_axis else 1 for i, n in enumerate(src.shape))
-
-    def as_stats(a):
-        return None if a is None else np.asarray(a).reshape(stats_shape)
+    reduce_axes, as_stats = _channel_layout(src, data_format)
 
     if num_outputs == 1:
         dx, _, _ = backward(src, diff_dst, as_stats(mean), as_stats(variance), None,
@@ -156,17 +164,8 @@ def batchnorm_training_forward(src, mean, variance, gamma=None, beta=None, *, ep
     Returns ``(dst, running_mean, running_variance, batch_mean, batch_variance)`` in float64,
     the statistics 1-D of length C; the channel axis is 1 for ``"NCX"`` and the last for
     ``"NXC"``."""
-    if data_format not in ("NXC", "NCX"):
-        raise ValueError(f"data_format: expected 'NXC' or 'NCX', got {data_format!r}")
     src = np.asarray(src)
-    if src.ndim < 2:
-        raise ValueError(f"src: expected rank 2 to 8, got rank {src.ndim}")
-    channel_axis = 1 if data_format == "NCX" else src.ndim - 1
-    reduce_axes = tuple(i for i in range(src.ndim) if i != channel_axis)
-    stats_shape = tuple(n if i == channel_axis else 1 for i, n in enumerate(src.shape))
-
-    def as_stats(a):
-        return None if a is None else np.asarray(a).reshape(stats_shape)
+    reduce_axes, as_stats = _channel_layout(src, data_format)
 
     y, *stats = forward(src, as_stats(mean), as_stats(variance), as_stats(gamma),
                         as_stats(beta), epsilon=epsilon, momentum=momentum,
