@@ -1,13 +1,22 @@
 """Shared fixtures and helpers for the bnbw_native tests.
 
-Test modules import the helpers by name (``from conftest import kernels, make_layout``): pytest
-puts this directory on ``sys.path`` (rootdir conftest, default import mode).  How close a result
+The tests are grouped by what they test: engine/ (the engine and its kernels), surfaces/ (each
+public surface, and surfaces/test_refusals.py: every refused call of every surface) and package/
+(build, packaging, documentation, examples, the benchmark's machinery).  This file, the only
+conftest.py, sits above them: test modules in every folder import its helpers by name
+(``from conftest import kernels, make_layout``), and those of error_bounds.py and cext.py
+beside it, because pytest puts this directory on ``sys.path`` (rootdir conftest, default import
+mode).  The benchmark's modules (bench/) are reached through `bench_module` or the `bench`
+fixture below, nowhere else.  How close a result
 must be to the float64 reference is decided in one place, error_bounds.py (its table,
 `assert_close` and `assert_within`); `assert_close` and `BF16` are re-exported here.
 Section numbers in the tests ("contract §3.1") are those of docs/contract.md.
 """
+import importlib
+import sys
 import zlib
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +26,32 @@ from error_bounds import BF16, assert_close  # noqa: F401  (re-exported)
 requires_bf16 = pytest.mark.skipif(BF16 is None, reason="ml_dtypes is not installed")
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "negative")
+
+#: The benchmark's directory (a checkout's or an unpacked sdist's bench/).
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_module(name):
+    """The benchmark module bench/<name>.py, imported as the benchmark's own scripts import each
+    other (top-level names: ``shapes``, ``procmem``, ...).  bench/ goes on ``sys.path`` here,
+    once; no test module edits ``sys.path`` for it."""
+    path = str(BENCH_DIR)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
+class _Bench:
+    """The benchmark's modules as attributes: ``bench.shapes``, ``bench.balance``."""
+
+    def __getattr__(self, name):
+        return bench_module(name)
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """bench/'s modules for a test: ``def test_x(bench): bench.shapes.RESNET50_B50``."""
+    return _Bench()
 
 
 @contextmanager

@@ -3,8 +3,6 @@ every layout, dtype and formula, the peers (oneDNN where installed), kernel bodi
 and the command line.  No timing assertions."""
 import importlib.util
 import json
-import pathlib
-import sys
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -12,20 +10,12 @@ import pytest
 
 import bnbw_native
 from bnbw_native import _config
+from conftest import BENCH_DIR as BENCH, bench_module
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import bandwidth  # noqa: E402
-import cases  # noqa: E402
-import checks  # noqa: E402
-import onednn_peer  # noqa: E402
-import peers  # noqa: E402
-import procmem  # noqa: E402
-import report  # noqa: E402
-import runner  # noqa: E402
-import shapes  # noqa: E402
-import timing  # noqa: E402
+(bandwidth, cases, checks, onednn_peer, peers, procmem, report, runner, shapes,
+ timing) = (bench_module(name) for name in ("bandwidth", "cases", "checks", "onednn_peer",
+                                             "peers", "procmem", "report", "runner", "shapes",
+                                             "timing"))
 
 TINY = {"tiny-2d": shapes.SMALL_ODD["tiny-2d"]}
 ODD = {"odd-4d": shapes.SMALL_ODD["odd-4d"]}

@@ -9,19 +9,12 @@ thread counts, more threads than this machine has cores included, and is compare
 one-thread split call bit for bit.  The schedules' own balance - how many items each of 8, 16
 and 64 threads gets - is checked on the network shapes of the benchmark.
 """
-import pathlib
-import sys
-
 import numpy as np
 import pytest
 
 from bnbw_native import _arrays, _schedules, backward_reduce, batchnorm_training_backward
 from bnbw_native._onednn_graph import GRAPH
 from conftest import BF16
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import shapes  # noqa: E402  (the benchmark's shape lists)
-from balance import describe as _items  # noqa: E402  (the schedule a training call gets)
 
 NO_CACHE = (1 << 10, 1 << 12, 64)          # nothing fits: split schedules everywhere
 SMALL_CACHE = (1 << 20, 32 << 20, 16)
@@ -92,16 +85,17 @@ def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, d
 
 @pytest.mark.parametrize("threads", [8, 16, 64])
 @pytest.mark.parametrize("data_format", ["NXC", "NCX"])
-def test_threads_get_balanced_work_on_network_shapes(cache_model, threads, data_format):
+def test_threads_get_balanced_work_on_network_shapes(bench, cache_model, threads, data_format):
     """On every batch-norm shape of ResNet-50 and MobileNet-v2 at batch 50, a training call on
     8, 16 or 64 threads splits into items enough for every thread that has 32 K elements to
     work on, and wherever the rows and whole lines of channels make four items per thread,
     the items (equal-sized, handed out dynamically) split evenly enough that the busiest
     thread does at most a quarter more than the mean."""
     cache_model(*SMALL_CACHE)
+    shapes, items_of = bench.shapes, bench.balance.describe    # the schedule a call gets
     for name, nchw in {**shapes.RESNET50_B50, **shapes.MOBILENETV2_B50}.items():
         shape = nchw if data_format == "NCX" else (nchw[0], *nchw[2:], nchw[1])
-        facts = _items(shape, data_format, threads)
+        facts = items_of(shape, data_format, threads)
         items, used = facts["items"], facts["threads"]
         worth = min(threads, int(np.prod(shape)) // 32768)
         assert used == min(threads, items) and items >= worth, (name, facts)

@@ -1,4 +1,4 @@
-"""One rank of tests/test_distributed.py: torch.distributed (gloo) on 127.0.0.1.
+"""One rank of tests/surfaces/test_distributed.py: torch.distributed (gloo) on 127.0.0.1.
 
     python torch_worker.py RANK WORLD DATA.npz OUT_DIR        (MASTER_ADDR, MASTER_PORT set)
 

@@ -336,7 +336,7 @@ def test_mpi_ranks_equal_the_whole_batch(tmp_path):
 
 # ---- the README example -----------------------------------------------------------------
 
-EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "distributed_gloo.py")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "distributed_gloo.py")
 
 
 @pytest.mark.slow      # ~20 s: two ranks, a short DDP training run

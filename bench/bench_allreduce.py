@@ -1,6 +1,6 @@
 """Time the phases of sync_batchnorm_backward on gloo ranks on this machine.
 
-    python tests/dist/bench_allreduce.py [--world 2] [--shape 32 64 56 56] [--repeats 15]
+    python bench/bench_allreduce.py [--world 2] [--shape 32 64 56 56] [--repeats 15]
                                          [--threads 1]
 
 Starts `world` ranks on 127.0.0.1; the batch (N, C, H, W) is split by rows over them.  For

@@ -1,4 +1,4 @@
-"""One rank of the MPI test in tests/test_distributed.py, started by mpirun.
+"""One rank of the MPI test in tests/surfaces/test_distributed.py, started by mpirun.
 
     mpirun -n 2 python mpi_worker.py DATA.npz OUT_DIR
 

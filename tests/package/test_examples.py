@@ -50,6 +50,7 @@ def test_c_extension(tmp_path):
 
 
 def test_distributed_gloo_example_is_tested_elsewhere():
-    """The torch example needs torch and spawns ranks: tests/test_distributed.py runs it."""
-    text = (ROOT / "tests" / "test_distributed.py").read_text()
+    """The torch example needs torch and spawns ranks: tests/surfaces/test_distributed.py runs
+    it."""
+    text = (ROOT / "tests" / "surfaces" / "test_distributed.py").read_text()
     assert "distributed_gloo.py" in text

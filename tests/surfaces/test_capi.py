@@ -1,4 +1,4 @@
-"""C callers (contract 3.5): tests/capi/example.c, compiled here against include/bnbw_native.h."""
+"""C callers (contract 3.5): tests/surfaces/capi/example.c, compiled here against include/bnbw_native.h."""
 import importlib.util
 import os
 import shlex
@@ -22,9 +22,9 @@ except ImportError:
 from bnbw_native.reference import backward as BACKWARD
 from error_bounds import assert_close
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = ROOT / "include"
-EXAMPLE = ROOT / "tests" / "capi" / "example.c"
+EXAMPLE = Path(__file__).resolve().parent / "capi" / "example.c"
 EPS = 1e-3
 EPS32 = float(np.float32(EPS))
 DATA_TYPE = {"float32": 1, "float16": 2, "bfloat16": 3}          # bnbw_data_type
@@ -41,7 +41,7 @@ def c_compiler():
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    """Build tests/capi/example.c as the extension module bnbw_capi_example and import it."""
+    """Build capi/example.c as the extension module bnbw_capi_example and import it."""
     if c_compiler() is None:
         pytest.skip("no C compiler found (set CC, or install cc/gcc/clang) to build the C API "
                     "example")

@@ -116,7 +116,7 @@ def _built(name):
 
 
 def test_sdist_is_the_whole_source_tree(sdist):
-    """Tests import conftest.py and error_bounds.py, compile tests/capi/example.c, run the
+    """Tests import conftest.py and error_bounds.py, compile tests/surfaces/capi/example.c, run the
     examples and the benchmark smoke test: every tracked file goes in."""
     missing = sorted(_source_tree() - _sdist_files(sdist[1]))
     assert missing == []

@@ -22,10 +22,9 @@ import pytest
 
 import bnbw_native
 from bnbw_native import dml, ngraph, intel_spec
+from conftest import bench_module
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "bench"))
-import procmem  # noqa: E402  (the benchmark's memory readings)
+procmem = bench_module("procmem")       # the benchmark's memory readings
 
 EPS = 1e-3
 CALLS = 10_000

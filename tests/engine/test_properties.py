@@ -13,8 +13,8 @@ Profiles: "fast" (the default run) and "thorough" (thousands of examples), chose
 BNBW_HYPOTHESIS_PROFILE=thorough; every test has a slow-marked twin named ``..._thorough`` that
 always runs "thorough"::
 
-    BNBW_HYPOTHESIS_PROFILE=thorough pytest tests/test_properties.py     # every test, thorough
-    pytest -m slow tests/test_properties.py                              # the thorough twins
+    BNBW_HYPOTHESIS_PROFILE=thorough pytest tests/engine/test_properties.py     # every test, thorough
+    pytest -m slow tests/engine/test_properties.py                              # the thorough twins
 """
 import math
 import os

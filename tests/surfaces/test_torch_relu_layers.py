@@ -326,7 +326,7 @@ def test_bad_input_is_refused(x, error, match):
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
-    """Three gloo ranks (one of them empty) running tests/dist/torch_worker.py."""
+    """Three gloo ranks (one of them empty) running dist/torch_worker.py."""
     from test_distributed import BOUNDS, free_port, load_ranks, make_batch, run_all, \
         worker_env
     tmp = tmp_path_factory.mktemp("gloo_relu")
@@ -383,8 +383,8 @@ def test_sync_batchnorm_relu_compiles_to_the_same_bits(three_ranks):
 
 # ---- the example ----------------------------------------------------------------------------
 
-EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "train_resnet_fused.py")
-BENCH = os.path.join(os.path.dirname(HERE), "examples", "bench_torch_layers.py")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "train_resnet_fused.py")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "bench_torch_layers.py")
 
 
 def run_example(path, *args):
