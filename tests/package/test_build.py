@@ -134,8 +134,3 @@ def test_show_config_dicts_hold_what_it_prints(capsys):
     printed = capsys.readouterr().out
     assert f"kernels:          {facts['kernels']['in_use']} " in printed
     assert facts["build"]["compiler"] in printed
-
-
-def test_show_config_refuses_an_unknown_mode():
-    with pytest.raises(ValueError, match="mode must be one of 'stdout', 'dicts', got 'dict'"):
-        bnbw_native.show_config(mode="dict")

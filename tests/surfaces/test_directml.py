@@ -1,5 +1,6 @@
-"""DirectML front-end (contract 3.4): descriptors, both operators, every constraint, the
-conveniences."""
+"""DirectML front-end (contract 3.4): descriptors, both operators, the buffers execute takes,
+the conveniences.  What each refuses is in test_refusals.py; here, what they accept and compute
+(and that DirectML refuses exactly the output layouts whose elements share an address)."""
 import copy
 import ctypes
 import itertools
@@ -114,7 +115,6 @@ def members(big=(2, 3, 4), stats=(1, 3, 1), data_type="float32", **override):
 
 MEMBER_NAMES = ["input", "input_gradient", "mean", "variance", "scale", "output_gradient",
                 "output_scale_gradient", "output_bias_gradient"]
-OUTPUT_NAMES = MEMBER_NAMES[5:]
 
 
 # ---- TensorDesc ---------------------------------------------------------------------------
@@ -156,59 +156,6 @@ def test_desc_from_array():
     assert desc.sizes == (6, 2, 5) and desc.strides == (1, 30, 6)
     assert dml.TensorDesc.from_array(np.zeros(3, np.uint16), "bfloat16").data_type == "bfloat16"
     assert dml.TensorDesc.from_array(np.zeros((1, 3), np.float32)[::-1]).sizes == (1, 3)
-    with pytest.raises(ValueError, match="strides"):
-        dml.TensorDesc.from_array(base[::-1])
-    with pytest.raises(TypeError, match="data_type"):
-        dml.TensorDesc.from_array(np.zeros(3))
-
-
-@pytest.mark.parametrize("sizes", [(0,), (2, 0, 3), (-1, 2)])
-def test_desc_size_not_positive(sizes):
-    with pytest.raises(ValueError, match=r"sizes\[\d\] must be a positive integer"):
-        dml.TensorDesc("float32", sizes)
-
-
-@pytest.mark.parametrize("sizes", [(2.0, 3), ("2", 3), (None,), (True, 2), 5, "23", None])
-def test_desc_sizes_not_ints(sizes):
-    with pytest.raises(TypeError, match="sizes"):
-        dml.TensorDesc("float32", sizes)
-
-
-@pytest.mark.parametrize("ndim", [0, 9])
-def test_desc_dimension_count(ndim):
-    with pytest.raises(ValueError, match="sizes must have 1 to 8 dimensions"):
-        dml.TensorDesc("float32", (1,) * ndim)
-
-
-@pytest.mark.parametrize("data_type", ["float64", "int8", "uint16", "FLOAT", np.float64, None, 4])
-def test_desc_data_type(data_type):
-    with pytest.raises(TypeError, match="data_type"):
-        dml.TensorDesc(data_type, (2,))
-
-
-@pytest.mark.parametrize("strides, error", [
-    ((-1, 1), ValueError), ((3,), ValueError), ((3, 1, 1), ValueError), ((3.0, 1), TypeError),
-    (3, TypeError), ((2 ** 70, 1), ValueError),
-])
-def test_desc_strides(strides, error):
-    with pytest.raises(error, match="strides"):
-        dml.TensorDesc("float32", (2, 3), strides)
-
-
-@pytest.mark.parametrize("sizes, strides", [
-    ((2 ** 62, 4), None), ((2 ** 31,) * 3, None), ((2 ** 70,), None),
-    ((3, 2), (2 ** 62, 1)), ((2 ** 40, 2 ** 40), (1, 2 ** 40)), ((2 ** 61,), (2,)),
-])
-def test_desc_byte_count_overflow(sizes, strides):
-    with pytest.raises(ValueError, match="64"):
-        dml.TensorDesc("float32", sizes, strides)
-
-
-@pytest.mark.parametrize("total, error", [(23, ValueError), (0, ValueError), (-4, ValueError),
-                                          (24.0, TypeError), ("24", TypeError)])
-def test_desc_total_size(total, error):
-    with pytest.raises(error, match="total_tensor_size_in_bytes"):
-        dml.TensorDesc("float32", (2, 3), None, total)
 
 
 def test_desc_total_size_at_least_minimum_accepted():
@@ -224,77 +171,9 @@ def operator_class(request):
     return OPERATORS[request.param]
 
 
-@pytest.mark.parametrize("member", MEMBER_NAMES)
-def test_member_must_be_desc(operator_class, member):
-    with pytest.raises(TypeError, match=member):
-        operator_class(**members(**{member: (2, 3, 4)}))
-
-
-@pytest.mark.parametrize("member", MEMBER_NAMES[1:])
-def test_data_types_must_match(operator_class, member):
-    shape = (2, 3, 4) if member in ("input_gradient", "output_gradient") else (1, 3, 1)
-    with pytest.raises(TypeError, match=f"{member}: data_type float16 differs"):
-        operator_class(**members(**{member: packed(shape, "float16")}))
-
-
-@pytest.mark.parametrize("member", ["input_gradient", "mean", "output_bias_gradient"])
-def test_dimension_counts_must_match(operator_class, member):
-    shape = (2, 3, 4, 1) if member == "input_gradient" else (3,)
-    with pytest.raises(ValueError, match=f"{member}: sizes have"):
-        operator_class(**members(**{member: packed(shape)}))
-
-
-@pytest.mark.parametrize("member", ["input_gradient", "output_gradient"])
-def test_input_sizes_must_match(operator_class, member):
-    with pytest.raises(ValueError, match=f"{member}: sizes.*share sizes"):
-        operator_class(**members(**{member: packed((2, 3, 5))}))
-
-
-@pytest.mark.parametrize("member", ["variance", "scale", "output_scale_gradient",
-                                    "output_bias_gradient"])
-def test_stats_sizes_must_match(operator_class, member):
-    with pytest.raises(ValueError, match=f"{member}: sizes.*share sizes"):
-        operator_class(**members(**{member: packed((1, 3, 4))}))
-
-
-@pytest.mark.parametrize("stats", [(2, 2, 1), (1, 3, 3), (1, 4, 1)])
-def test_stats_dims_one_or_input(operator_class, stats):
-    with pytest.raises(ValueError, match="mean: sizes.*must be 1 .*or input's"):
-        operator_class(**members(stats=stats))
-
-
-@pytest.mark.parametrize("epsilon, error", [
-    (0.0, ValueError), (-1e-5, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
-    (1e-50, ValueError), (1e39, ValueError), ("1e-5", TypeError), (None, TypeError),
-    (True, TypeError), (1e-5j, TypeError),
-])
-def test_epsilon_refused(operator_class, epsilon, error):
-    with pytest.raises(error, match="epsilon"):
-        operator_class(**members(epsilon=epsilon))
-
-
 @pytest.mark.parametrize("epsilon", [1e-5, np.float32(1e-3), 1, np.float64(1e-40), 3e38])
 def test_epsilon_accepted(operator_class, epsilon):
     assert operator_class(**members(epsilon=epsilon)).epsilon == float(np.float32(epsilon))
-
-
-@pytest.mark.parametrize("member", OUTPUT_NAMES)
-@pytest.mark.parametrize("sizes, strides, why", [
-    ((2, 3, 4), (12, 0, 1), "strides\\[1\\] is 0"),
-    ((2, 3, 4), (1, 1, 1), "share memory"),
-    ((2, 3, 4), (12, 1, 2), "share memory"),
-    ((2, 3, 4), (6, 2, 1), "share memory"),
-])
-def test_output_must_not_overlap_itself(operator_class, member, sizes, strides, why):
-    if member != "output_gradient":        # statistics-shaped members
-        sizes, strides = (1, 3, 4), strides
-    override = {member: dml.TensorDesc("float32", sizes, strides)}
-    if member != "output_gradient":
-        override.update({m: packed(sizes) for m in ("mean", "variance", "scale",
-                                                    "output_scale_gradient",
-                                                    "output_bias_gradient") if m != member})
-    with pytest.raises(ValueError, match=f"{member}: .*{why}"):
-        operator_class(**members(**override))
 
 
 @pytest.mark.parametrize("sizes, strides", [
@@ -362,21 +241,6 @@ def simple():
     return make
 
 
-def assert_untouched(bufs):
-    for name, buf in bufs.items():
-        if name in OUTPUT_NAMES:
-            assert np.all(np.asarray(buf).view(np.float32) == 7.0), name
-
-
-@pytest.mark.parametrize("member", MEMBER_NAMES)
-def test_buffer_too_small(simple, member):
-    op, bufs = simple()
-    bufs[member] = np.asarray(bufs[member]).reshape(-1)[:-1]
-    with pytest.raises(ValueError, match=f"{member}: the buffer holds"):
-        op.execute(**bufs)
-    assert_untouched(bufs)                         # the short output too
-
-
 def test_buffer_needs_only_the_minimum_size():
     x, dy, mean, var, scale = make_problem((5, 3), (1, 3), "float16")
     descs = descs_for(x, dy, mean, var, scale)
@@ -390,88 +254,13 @@ def test_buffer_needs_only_the_minimum_size():
     assert_close(np.frombuffer(ds, np.float16).reshape(1, 3), want[1], "float16")
 
 
-@pytest.mark.parametrize("member", OUTPUT_NAMES)
-@pytest.mark.parametrize("kind", ["bytes", "readonly-array", "readonly-memoryview"])
-def test_read_only_output(simple, member, kind):
-    op, bufs = simple()
-    arr = np.asarray(bufs[member])
-    if kind == "bytes":
-        bufs[member] = arr.tobytes()
-    elif kind == "readonly-array":
-        arr.flags.writeable = False
-    else:
-        bufs[member] = memoryview(arr.tobytes())
-    with pytest.raises(ValueError, match=f"{member}: .*read-only"):
-        op.execute(**bufs)
-
-
-@pytest.mark.parametrize("member", ["input", "output_gradient"])
-def test_non_contiguous_buffer(simple, member):
-    op, bufs = simple()
-    wide = np.zeros(2 * 24, np.float32)
-    bufs[member] = memoryview(wide)[::2]
-    with pytest.raises(ValueError, match=f"{member}: .*not contiguous"):
-        op.execute(**bufs)
-    bufs[member] = wide[::2]
-    with pytest.raises(ValueError, match=f"{member}: .*not contiguous"):
-        op.execute(**bufs)
-
-
-@pytest.mark.parametrize("obj", ["abc", [1.0] * 24, 1.5, None, True, object(),
-                                 np.full(24, 1.0, dtype=object)])
-@pytest.mark.parametrize("member", ["input", "output_bias_gradient"])
-def test_buffer_wrong_kind(simple, obj, member):
-    op, bufs = simple()
-    bufs[member] = obj
-    with pytest.raises(TypeError, match=member):
-        op.execute(**bufs)
-
-
-@pytest.mark.parametrize("address", [0, -8])
-def test_bad_int_address(simple, address):
-    op, bufs = simple()
-    bufs["scale"] = address
-    with pytest.raises(ValueError, match="scale: an integer address"):
-        op.execute(**bufs)
-
-
-@pytest.mark.parametrize("member", ["input", "output_gradient"])
-def test_misaligned_float32_buffer(simple, member):
-    op, bufs = simple()
-    raw = bytearray(24 * 4 + 1)
-    bufs[member] = memoryview(raw)[1:]
-    with pytest.raises(ValueError, match=f"{member}: address .* not aligned"):
-        op.execute(**bufs)
-    assert raw == bytearray(len(raw))              # the refused buffer itself: not written
-    assert_untouched({k: v for k, v in bufs.items() if k != member})
-
-
-@pytest.mark.parametrize("output, other, match", [
-    ("output_gradient", "input", "overlaps the input input"),
-    ("output_gradient", "mean", None),
-    ("output_scale_gradient", "mean", "overlaps the input mean"),
-    ("output_bias_gradient", "scale", "overlaps the input scale"),
-    ("output_bias_gradient", "output_scale_gradient", "outputs must not overlap each other"),
-])
-def test_overlapping_buffers(simple, output, other, match):
-    op, bufs = simple()
-    raw = np.full(64, 7.0, np.float32)
-    bufs[output] = raw
-    bufs[other] = raw[2:] if output == "output_gradient" else raw
-    with pytest.raises(ValueError, match=match or "overlap"):
-        op.execute(**bufs)
-    assert np.all(raw == 7.0)
-    assert_untouched({k: v for k, v in bufs.items() if k in OUTPUT_NAMES and v is not raw})
-
-
-def test_overlap_by_int_address_uses_descriptor_extents(simple):
+def test_int_addresses_that_do_not_overlap_are_accepted(simple):
+    """Integer addresses are trusted; their extents come from the descriptors: 12-byte
+    statistics 12 bytes apart do not overlap (8 bytes apart they do: test_refusals.py)."""
     op, bufs = simple()
     raw = np.full(64, 7.0, np.float32)
     base = raw.ctypes.data
-    bufs.update(output_scale_gradient=base, output_bias_gradient=base + 8)   # 12-byte extents
-    with pytest.raises(ValueError, match="overlap"):
-        op.execute(**bufs)
-    bufs.update(output_bias_gradient=base + 12)
+    bufs.update(output_scale_gradient=base, output_bias_gradient=base + 12)   # 12-byte extents
     op.execute(**bufs)
     assert not np.all(raw[:6] == 7.0) and np.all(raw[6:] == 7.0)
 
@@ -485,33 +274,6 @@ def test_in_place(formula):
     assert got[0] is dy_buf
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
-
-
-def test_in_place_needs_identical_descriptors():
-    x, dy, mean, var, scale = make_problem((4, 6), (1, 6))
-    descs = descs_for(x, dy, mean, var, scale)
-    descs["output_gradient"] = dml.TensorDesc("float32", (4, 6), (1, 4))
-    op = dml.BatchNormalizationGrad(**descs, epsilon=EPS)
-    with pytest.raises(ValueError, match="output_gradient overlaps input_gradient.*identical"):
-        op.execute(input=x, input_gradient=dy, mean=mean, variance=var, scale=scale,
-                   output_gradient=dy, output_scale_gradient=np.empty_like(mean),
-                   output_bias_gradient=np.empty_like(mean))
-
-
-@pytest.mark.parametrize("num_threads, error", [(0, ValueError), (-2, ValueError),
-                                                (1.5, TypeError), ("2", TypeError)])
-def test_num_threads_refused(simple, num_threads, error):
-    op, bufs = simple()
-    with pytest.raises(error, match="num_threads"):
-        op.execute(**bufs, num_threads=num_threads)
-    assert_untouched(bufs)
-
-
-def test_missing_member_refused(simple):
-    op, bufs = simple()
-    del bufs["variance"]
-    with pytest.raises(TypeError, match="variance"):
-        op.execute(**bufs)
 
 
 # ---- execute: results ---------------------------------------------------------------------
@@ -788,26 +550,3 @@ def test_convenience_empty_batch():
     np.testing.assert_array_equal(db, 0)
 
 
-@pytest.mark.parametrize("args, error, match", [
-    (dict(input=np.zeros((2, 3))), TypeError, "input must be a float32"),
-    (dict(input_gradient=np.zeros((2, 3), np.float16)), TypeError,
-     "input_gradient: data_type float16 differs"),
-    (dict(scale=np.zeros((1, 3), np.uint16)), TypeError, "scale"),
-    (dict(mean=[[0.0, 0.0, 0.0]]), TypeError, "mean"),
-    (dict(input_gradient=np.zeros((2, 4), np.float32)), ValueError, "input_gradient"),
-    (dict(mean=np.zeros(3, np.float32)), ValueError, "mean: sizes have 1 dimensions, input's 2"),
-    (dict(mean=np.zeros((2, 2), np.float32)), ValueError, "mean: sizes.1. must be 1"),
-    (dict(variance=np.zeros((2, 3), np.float32)), ValueError, "variance"),
-    (dict(input=np.zeros((), np.float32), input_gradient=np.zeros((), np.float32)),
-     ValueError, "input must have 1 to 8"),
-    (dict(epsilon=0.0), ValueError, "epsilon"),
-    (dict(epsilon="x"), TypeError, "epsilon"),
-    (dict(num_threads=0), ValueError, "num_threads"),
-])
-def test_convenience_refusals(args, error, match):
-    kwargs = dict(input=np.zeros((2, 3), np.float32), input_gradient=np.zeros((2, 3), np.float32),
-                  mean=np.zeros((1, 3), np.float32), variance=np.ones((1, 3), np.float32),
-                  scale=np.ones((1, 3), np.float32), epsilon=EPS)
-    kwargs.update(args)
-    with pytest.raises(error, match=match):
-        dml.batch_normalization_grad(**kwargs)

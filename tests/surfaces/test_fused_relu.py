@@ -3,7 +3,8 @@
 The gradient used everywhere is g = diff_dst where the forward's output relu_dst is > 0 (or the
 bool mask is True), 0 elsewhere: selected, never multiplied.  Every result must equal the unfused
 call on g bit for bit, in every front-end that takes relu_dst, storage type, layout and thread
-count; diff_residual receives g itself.
+count; diff_residual receives g itself.  What relu_dst= and diff_residual= refuse is in
+test_refusals.py.
 """
 import numpy as np
 import pytest
@@ -165,56 +166,3 @@ def test_a_mask_in_another_layout_gives_the_same_bits(rng):
                                       relu_dst=swapped)
     for a, b in zip(got, want):
         assert _bits(a) == _bits(b)
-
-
-# ---- refusals: the documented error, the argument named, nothing written -----------------------
-
-def _refused(error, match, **kw):
-    rng = np.random.default_rng(3)
-    x, dy, y, mean, var, gamma = _problem(rng, (4, 3, 5), "NCX", np.float32)
-    args = dict(src=x, diff_dst=dy, mean=mean, variance=var, gamma=gamma, epsilon=1e-3,
-                data_format="NCX", relu_dst=y)
-    args.update(kw)
-    outputs = [a for a in (args.get("diff_residual"),) + tuple(args.get("out") or ())
-               if isinstance(a, np.ndarray)]
-    before = [o.copy() for o in outputs] + [dy.copy()]
-    with pytest.raises(error, match=match):
-        batchnorm_training_backward(**args)
-    for o, b in zip(outputs + [dy], before):
-        assert _bits(o) == _bits(b)
-
-
-def test_diff_residual_without_relu_dst_is_refused():
-    _refused(ValueError, "diff_residual", relu_dst=None, diff_residual=np.zeros((4, 3, 5),
-                                                                                 np.float32))
-
-
-@pytest.mark.parametrize("relu_dst, error", [
-    (np.zeros((4, 3, 6), np.float32), ValueError),
-    (np.zeros((4, 3, 5), np.float16), TypeError),
-    (np.zeros((4, 3, 5), np.int32), TypeError),
-    ("y", TypeError),
-], ids=["shape", "float16", "int32", "string"])
-def test_bad_relu_dst_is_refused(relu_dst, error):
-    _refused(error, "relu_dst", relu_dst=relu_dst)
-
-
-@pytest.mark.parametrize("make, error", [
-    (lambda a: np.zeros((4, 3, 6), np.float32), ValueError),
-    (lambda a: np.zeros((4, 3, 5), np.float16), TypeError),
-    (lambda a: a["src"], ValueError),
-    (lambda a: a["diff_dst"][::-1], ValueError),
-    (lambda a: a["relu_dst"], ValueError),
-], ids=["shape", "dtype", "over-src", "over-part-of-diff_dst", "over-relu_dst"])
-def test_bad_diff_residual_is_refused(make, error):
-    rng = np.random.default_rng(4)
-    x, dy, y, mean, var, gamma = _problem(rng, (4, 3, 5), "NCX", np.float32)
-    args = dict(src=x, diff_dst=dy, relu_dst=y)
-    _refused(error, "diff_residual", src=x, diff_dst=dy, relu_dst=y,
-             diff_residual=make(args))
-
-
-def test_diff_residual_may_not_overlap_diff_src():
-    dx = np.zeros((4, 3, 5), np.float32)
-    _refused(ValueError, "diff_residual|diff_src", diff_residual=dx,
-             out=(dx, np.zeros(3, np.float32), np.zeros(3, np.float32)))

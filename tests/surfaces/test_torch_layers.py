@@ -302,17 +302,3 @@ def test_training_follows_batchnorm2d(channels_last):
         torch.set_num_threads(threads)
     assert got[-10:].mean() < 0.5 * got[:5].mean()          # it learns
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
-
-
-# ---- refusals -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("x,error,match", [
-    (torch.ones(4, 5, 3), ValueError, "num_features"),
-    (torch.ones(4, 3, 2, dtype=torch.float64), TypeError, r"weight must be float64.*double"),
-    (torch.ones(4, 3, dtype=torch.int32), TypeError, "float32"),
-    (torch.ones(1, 3), ValueError, "more than 1 value"),
-    (np.ones((4, 3), np.float32), TypeError, "torch.Tensor"),
-], ids=["channels", "float64-into-float32-layer", "int", "one-value", "ndarray"])
-def test_bad_input_is_refused(x, error, match):
-    with pytest.raises(error, match=match):
-        bag.BatchNorm(3)(x)
