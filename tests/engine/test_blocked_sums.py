@@ -5,7 +5,7 @@ f64 lanes take them.  These tests pin that scheme down bit for bit with an indep
 model of it, check that a block whose f32 sum overflows (or meets inf/NaN) is redone in f64 on
 every kernel body, that exact_sums=True widens every term, and that the blocks keep the error
 within the documented ~2^-20 of the sum of |terms|.  Accuracy at M = 2^24 with a large mean is
-in test_batchnorm_training_backward.py, for every storage type.
+in test_scale_and_accuracy.py, for every storage type.
 """
 import math
 

@@ -20,6 +20,7 @@ import pytest
 
 import bnbw_native
 from bnbw_native import dml, ngraph, intel_spec
+from conftest import graph_case as make_case
 from error_bounds import same_bits
 
 EPS = 1e-3
@@ -124,6 +125,19 @@ def test_many_threads_agree_with_serial():
         futures = [pool.submit(worker, i) for i in range(n_threads)]
         results = [f.result(timeout=300) for f in futures]
     assert all(not r for r in results), [r for r in results if r]
+
+
+def test_concurrent_graph_calls_agree_with_serial():
+    """8 oneDNN Graph calls of their own on 4 Python threads, each with a team of 2."""
+    cases = [make_case(np.random.default_rng(seed), (20000, 5)) for seed in range(8)]
+
+    def run(case):
+        result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPS, num_threads=2)
+        return [a.tobytes() for a in result]
+
+    serial = [run(case) for case in cases]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        assert list(pool.map(run, cases)) == serial
 
 
 # ---- the GIL is released while kernels run ------------------------------------------------

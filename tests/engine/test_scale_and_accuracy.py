@@ -1,5 +1,6 @@
-"""Scale and special values (contract 1, 7): 64-bit offsets, counts past 2^31, NaN and inf kept
-in their channel, constant channels.
+"""Scale, accuracy and special values (contract 1, 7): 64-bit offsets, counts past 2^31, NaN and
+inf kept in their channel, constant channels, and the parameter gradients' sums accurate for
+2^24 elements with |mean| >> std in every storage type.
 
 Tensors of more than 2^31 logical elements are built from small arrays with zero strides
 (np.broadcast_to), so they cost no memory as inputs; their exact sums follow from the small
@@ -9,11 +10,13 @@ marked slow.  The default run checks 64-bit byte offsets cheaply, with views who
 gigabytes of a lazily zeroed (never touched) buffer.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import dml, ngraph, intel_spec
+from bnbw_native import dml, ngraph, intel_spec, reference
 from error_bounds import BF16, F16, F32, assert_close, assert_within, expected, same_bits
 
 EPS = 1e-3
@@ -333,3 +336,52 @@ def test_constant_channels_give_finite_results(front, t1, epsilon, shape, axis):
     # a constant channel has dscale exactly 0; dx = gamma r (dy - mean(dy)) stays finite
     ds = np.asarray(got[1]).ravel()
     assert ds[0] == 0 and ds[1] == 0 and ds[2] == 0
+
+
+# ---- accuracy of the sums at M = 2^24 with |mean| >> std (contract 1) -------------------------
+
+M_BIG = 1 << 24
+
+
+@functools.cache
+def accuracy_case(dy_kind, storage):
+    """x, dy stored as `storage` (f16/bf16 sums go through f32 blocks: the same bound);
+    mean and var those of the stored x."""
+    rng = np.random.default_rng(24)
+    x = (1000.0 + rng.standard_normal(M_BIG, dtype=np.float32)).astype(storage)
+    x64 = x.astype(np.float64)
+    mean, var = x64.mean(), x64.var()
+    noise = rng.standard_normal(M_BIG, dtype=np.float32)
+    if dy_kind == "random":
+        dy = noise
+    else:  # correlated with x, non-zero mean: both sums are large, no cancellation in the refs
+        dy = ((x64 - mean) + 0.1 + 0.5 * noise).astype(np.float32)
+    return x, dy.astype(storage), np.float32([mean]), np.float32([var])
+
+
+@pytest.mark.parametrize("storage", [F32, np.dtype(np.float16)] + ([BF16] if BF16 else []),
+                         ids=lambda t: str(t))
+@pytest.mark.parametrize("dy_kind", ["random", "correlated"])
+@pytest.mark.parametrize("data_format, shape", [("NXC", (M_BIG, 1)), ("NCX", (1, 1, M_BIG))])
+def test_parameter_gradients_accurate_for_2_24_elements(data_format, shape, dy_kind, storage):
+    x, dy, mean, var = accuracy_case(dy_kind, storage)
+    case = dict(src=x.reshape(shape), diff_dst=dy.reshape(shape), mean=mean, variance=var)
+    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPS,
+                                                     data_format=data_format)
+    _, ref_dgamma, ref_dbeta = reference.batchnorm_training_backward(
+        **case, epsilon=EPS, data_format=data_format)
+
+    # Denominator: max(|ref|, 2-norm of the summands).  The 2-norm (sqrt(M) * rms) is the size a
+    # sum of M random-signed terms typically has; when the drawn |sum| is much smaller, that is
+    # luck of the draw, and any accumulation error scales with the terms, not with the result.
+    # Rounding the exact sum to f32 alone costs <= 6e-8 * |ref|; 1e-6 leaves room for careful
+    # accumulation but not for a plain f32 running sum or for sum(g*x) - mean*sum(g).
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    r = 1.0 / np.sqrt(float(var[0]) + float(np.float32(EPS)))
+    gamma_terms_norm = r * np.sqrt(np.sum(((x64 - float(mean[0])) * dy64) ** 2))
+    beta_terms_norm = np.sqrt(np.sum(dy64**2))
+    for got, ref, norm in ((result.diff_gamma, ref_dgamma, gamma_terms_norm),
+                           (result.diff_beta, ref_dbeta, beta_terms_norm)):
+        assert got.dtype == F32 and got.shape == (1,)
+        error = abs(float(got[0]) - ref[0]) / max(abs(ref[0]), norm)
+        assert error <= 1e-6, f"relative error {error:.3g} (got {got[0]!r}, ref {ref[0]!r})"

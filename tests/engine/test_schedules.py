@@ -7,7 +7,9 @@ tensors only, so every choice must give the same bits: each call below runs unde
 cache models (which switch between fused and split schedules and change slice widths) and
 thread counts, more threads than this machine has cores included, and is compared with the
 one-thread split call bit for bit.  The schedules' own balance - how many items each of 8, 16
-and 64 threads gets - is checked on the network shapes of the benchmark.
+and 64 threads gets - is checked on the network shapes of the benchmark, and the engine's own
+account of a call (_arrays.describe: its layout, schedule, threads, sums and temporaries) is
+checked on calls whose schedule is known.
 """
 import numpy as np
 import pytest
@@ -102,3 +104,44 @@ def test_threads_get_balanced_work_on_network_shapes(bench, cache_model, threads
         busiest = -(-items // used)
         if items >= 4 * used:
             assert busiest <= 1.25 * items / used, (name, facts)
+
+
+# ---- the plan and schedule a call gets (what _arrays.describe says) ------------------------
+
+def describe(x, data_format, formula=_arrays.TRAINING, num_threads=1, **kw):
+    C = x.shape[-1 if data_format == "NXC" else 1]
+    mean, var = np.zeros(C, np.float32), np.ones(C, np.float32)
+    return _arrays.describe(GRAPH, formula, x, x, mean, var, None, 1e-5, data_format,
+                          num_threads, **kw)
+
+
+@pytest.mark.parametrize("shape, data_format, threads, formula, cache, schedule", [
+    ((32, 14, 14, 64), "NXC", 2, _arrays.TRAINING, SMALL_CACHE, "last-split"),
+    ((32, 14, 14, 64), "NXC", 2, _arrays.FROZEN_DX, SMALL_CACHE, "last-split"),
+    ((32, 64, 14, 14), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-sweep-fused"),
+    ((1, 4, 70000), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-channel-fused"),
+    ((32, 64, 14, 14), "NCX", 2, _arrays.FROZEN_DX, SMALL_CACHE, "major-sweep"),
+    ((1, 2, 70000), "NCX", 2, _arrays.FROZEN_DX, SMALL_CACHE, "major-blocks"),
+    ((0, 4, 3), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "nothing"),
+])
+def test_describe_names_the_schedule(cache_model, shape, data_format, threads, formula, cache,
+                                     schedule):
+    cache_model(*cache)
+    facts = describe(np.zeros(shape, np.float32), data_format, formula, threads)
+    assert facts["schedule"] == schedule
+    assert facts["layout"] == ("empty" if 0 in shape else
+                               "channel-last" if data_format == "NXC" else "channel-major")
+
+
+def test_describe_reports_threads_sums_and_temporaries():
+    x = np.zeros((4, 3, 8, 8), np.float16)
+    facts = describe(x, "NCX", num_threads=2)
+    assert facts["sums"] == "blocked" and facts["threads"] == 1     # too small for threads
+    assert facts["channels"] == 3 and facts["count"] == 256
+    assert describe(x.astype(np.float32), "NCX")["sums"] == "exact"
+    if BF16 is not None:
+        assert describe(x.astype(BF16), "NCX")["sums"] == "blocked-even-odd"
+    like_nhwc = np.zeros((4, 8, 8, 3), bool).transpose(0, 3, 1, 2)  # same rows as x
+    assert describe(x, "NCX", relu_dst=like_nhwc)["via_temp"] == []
+    swapped = np.zeros((4, 3, 8, 8), bool).transpose(0, 1, 3, 2)     # H and W swapped
+    assert describe(x, "NCX", relu_dst=swapped)["via_temp"] == ["relu_dst"]

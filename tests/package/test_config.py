@@ -2,6 +2,7 @@
 
 The cap is read when the package is imported, so each case starts a fresh interpreter.
 """
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -87,3 +88,12 @@ def test_use_kernels_restores_and_refuses():
     assert _config.kernel_body() == before
     with pytest.raises(ValueError, match="kernels"):
         _config.use_kernels("neon")
+
+
+def test_show_config_prints_version_and_openmp(capsys):
+    version = getattr(bnbw_native, "__version__", None) or importlib.metadata.version(
+        "bnbw_native")
+    bnbw_native.show_config()
+    printed = capsys.readouterr().out
+    assert version in printed
+    assert "OpenMP" in printed

@@ -1,10 +1,14 @@
-"""The Intel spec (contract 3.2), nGraph (contract 3.3) and two-phase (contract 7) front-ends, and a
-cross-check that every front-end computes the same thing on the same data."""
+"""The array front-ends beside oneDNN Graph's call: the Intel spec (contract 3.2), nGraph (3.3)
+and the two phases (7); and what every array front-end shares, since all go through the one
+entry into the engine (bnbw_native._engine): the same problem gives the same bits (or, through
+another plan, the same values), every kind of array argument gives the bits of plain NumPy, and
+an empty batch gives zero parameter gradients.  Their refusals are in test_refusals.py."""
 import numpy as np
 import pytest
 
+import bnbw_native
 import bnbw_native as bn
-from bnbw_native import dml, ngraph, intel_spec, reference
+from bnbw_native import backward_apply, dml, ngraph, intel_spec, reference
 from error_bounds import assert_close, same_bits
 
 try:
@@ -13,6 +17,12 @@ except ImportError:  # bf16 cases need ml_dtypes arrays
     ml_dtypes = None
 
 BF16 = ml_dtypes.bfloat16 if ml_dtypes is not None else None
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
 needs_bf16 = pytest.mark.skipif(ml_dtypes is None, reason="bfloat16 arrays need ml_dtypes")
 
 # (T1, T2) combinations the oneDNN conventions accept.
@@ -216,3 +226,108 @@ def test_front_end_matches_the_reference(front):
     """Every plan of the same values (NCX, its NXC view, DirectML) against the reference."""
     calls, want = _front_end_results()
     assert_matches(calls[front](), want, np.float32, np.float32)
+
+
+# ---- every kind of array argument takes the one path into the engine --------------------------
+# Plain NumPy arrays and every other kind of array argument take the same path
+# (bnbw_native._engine), so they give the same bits (and the same refusals: test_refusals.py).
+
+def random_arrays(rng, shape=(8, 16), dtype=np.float32, stat=np.float32, axis=-1):
+    C = shape[axis]
+    return (rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype),
+            rng.standard_normal(C).astype(stat), (rng.random(C) + 0.5).astype(stat),
+            rng.standard_normal(C).astype(stat))
+
+
+def _bits(results):
+    return [None if r is None else np.asarray(r).view(np.uint8).tobytes() for r in results]
+
+
+def _misaligned(a):
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    view = raw[1:].view(a.dtype).reshape(a.shape)
+    view[...] = a
+    assert not view.flags.aligned
+    return view
+
+
+class Sub(np.ndarray):
+    pass
+
+
+KINDS = {
+    "subclass": lambda a: a.view(Sub),
+    "byte-swapped": lambda a: a.astype(a.dtype.newbyteorder()),
+    "misaligned": _misaligned,
+    "read-only": lambda a: np.lib.stride_tricks.as_strided(a, writeable=False),
+    "memoryview": lambda a: memoryview(a),
+}
+if torch is not None:
+    KINDS["torch (DLPack)"] = lambda a: torch.from_numpy(a)
+
+
+ROLES = ["src", "diff_dst", "mean", "variance", "gamma"]
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_every_kind_of_array_gives_the_bits_of_plain_numpy(rng, kind, dtype, role):
+    args = list(random_arrays(rng, (6, 5, 16), dtype))
+    want = bnbw_native.batchnorm_training_backward(*args, epsilon=1e-3)
+    i = ROLES.index(role)
+    args[i] = KINDS[kind](args[i].copy())
+    got = bnbw_native.batchnorm_training_backward(*args, epsilon=1e-3)
+    assert _bits(got) == _bits(want)
+
+
+# ---- an empty batch gives zero parameter gradients in every front-end, whatever the statistics
+# hold (a DirectML operator, the C API's path, has no empty batch: its sizes are >= 1)
+
+def _empty_stats(C=3):
+    var = np.array([1.0, np.nan, -2.0], np.float32)[:C]     # r is NaN for two channels
+    return np.zeros(C, np.float32), var, np.ones(C, np.float32)
+
+
+EMPTY_CALLS = {
+    "graph": lambda x, m, v, g: bnbw_native.batchnorm_training_backward(
+        x, x, m, v, g, epsilon=1e-5, data_format="NCX"),
+    "intel": lambda x, m, v, g: intel_spec.batch_norm_training_backprop(
+        x, x, m, v, g, epsilon=1e-5, data_format="NCX"),
+    "ngraph": lambda x, m, v, g: ngraph.batch_norm_training_backprop(x, g, g, m, v, x,
+                                                                     epsilon=1e-5),
+    "apply": lambda x, m, v, g: backward_apply(x, x, m, v, g, np.zeros((2, 3)), 0, epsilon=1e-5,
+                                               data_format="NCX"),
+    "dml-frozen": lambda x, m, v, g: dml.batch_normalization_grad(
+        x, x, m.reshape(1, 3, 1), v.reshape(1, 3, 1), g.reshape(1, 3, 1), 1e-5),
+    "dml-training": lambda x, m, v, g: dml.batch_normalization_training_grad(
+        x, x, m.reshape(1, 3, 1), v.reshape(1, 3, 1), g.reshape(1, 3, 1), 1e-5),
+}
+
+
+@pytest.mark.parametrize("front", sorted(EMPTY_CALLS))
+def test_empty_batch_gives_zero_parameter_gradients_in_every_array_front_end(front):
+    x = np.zeros((0, 3, 4), np.float32)
+    dx, dgamma, dbeta = EMPTY_CALLS[front](x, *_empty_stats())
+    assert dx.shape == x.shape
+    np.testing.assert_array_equal(np.ravel(dgamma), 0)
+    np.testing.assert_array_equal(np.ravel(dbeta), 0)
+    assert not np.signbit(np.ravel(dgamma)).any()
+
+
+def test_empty_batch_gives_zero_parameter_gradients_through_an_operator():
+    big = dml.TensorDesc("float32", (1, 3, 4))
+    stats = dml.TensorDesc("float32", (1, 3, 1))
+    op = dml.BatchNormalizationTrainingGrad(input=big, input_gradient=big, mean=stats,
+                                            variance=stats, scale=stats, output_gradient=big,
+                                            output_scale_gradient=stats,
+                                            output_bias_gradient=stats, epsilon=1e-5)
+    assert op.count == 4      # DirectML sizes are >= 1: an operator's batch is never empty
+    x = np.zeros((1, 3, 4), np.float32)
+    mean, var, gamma = _empty_stats()
+    outs = [np.full((1, 3, 1), 7.0, np.float32) for _ in range(2)]
+    op.execute(input=x, input_gradient=x, mean=mean, variance=var, scale=gamma,
+               output_gradient=np.empty_like(x), output_scale_gradient=outs[0],
+               output_bias_gradient=outs[1])
+    # a real batch: dgamma = r * 0 is NaN where r is, by IEEE arithmetic within the channel
+    assert np.isnan(outs[0].ravel()[1]) and outs[0].ravel()[0] == 0

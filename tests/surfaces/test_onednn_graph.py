@@ -1,26 +1,25 @@
-"""``bnbw_native.batchnorm_training_backward`` (contract §3.1), threads (§4), errors (§6).
+"""``bnbw_native.batchnorm_training_backward``, oneDNN Graph's call (contract §3.1): results,
+storage types, out=, inputs left alone, empty tensors, NaN and inf, the result type.  Its
+refusals (§6) are in test_refusals.py, its thread counts (§4) in engine/test_thread_counts.py,
+its accuracy at 2^24 elements in engine/test_scale_and_accuracy.py.
 
 Every result is compared with the float64 reference computed from the very same (already
 rounded) inputs.  Test data have statistics computed from x and a dy with a component along the
 normalised x and a non-zero mean, so both correction terms of the training dx are as large as dy
 itself: a kernel off by a small formula error (M - 1 for M, a missing term) fails.
 """
-import concurrent.futures
-import functools
-import importlib.metadata
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bnbw_native
-from bnbw_native import reference
 from conftest import BF16, LAYOUTS, make_layout, requires_bf16
-from error_bounds import assert_close
+from conftest import GRAPH_EPSILON as EPSILON, channel_axis
+from conftest import check_graph_result as check_result, graph_case as make_case
+from conftest import graph_reference as expected
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
-EPSILON = 1e-3
 
 # One shape per rank; NXC reduces all but the last axis, NCX all but axis 1.  Odd sizes and
 # size-1 axes on purpose; at most ~1500 elements, well-conditioned data for assert_close
@@ -34,41 +33,6 @@ SHAPES = {
     7: (2, 3, 2, 1, 5, 3, 4),
     8: (2, 3, 2, 2, 1, 3, 5, 4),
 }
-
-
-def channel_axis(ndim, data_format):
-    return 1 if data_format == "NCX" else ndim - 1
-
-
-def make_case(rng, shape, data_format="NXC", t1=F32, t2=F32, with_gamma=True):
-    """Keyword arguments for a call: x ~ N(5, 2); mean and biased variance computed from the
-    rounded x in float64, then rounded to `t2`; dy = 1.5 * x_hat + 0.5 + N(0, 1)."""
-    axis = channel_axis(len(shape), data_format)
-    axes = tuple(i for i in range(len(shape)) if i != axis)
-    x = rng.normal(5.0, 2.0, shape).astype(t1)
-    x64 = x.astype(np.float64)
-    mean = x64.mean(axis=axes, keepdims=True)
-    var = x64.var(axis=axes, keepdims=True)
-    x_hat = (x64 - mean) / np.sqrt(var + EPSILON)
-    dy = (1.5 * x_hat + 0.5 + rng.normal(0.0, 1.0, shape)).astype(t1)
-    gamma = rng.normal(1.0, 0.5, shape[axis]).astype(t2) if with_gamma else None
-    return dict(src=x, diff_dst=dy, mean=mean.reshape(-1).astype(t2),
-                variance=var.reshape(-1).astype(t2), gamma=gamma)
-
-
-def expected(case, **options):
-    """The float64 reference for `case` (options: epsilon, data_format, num_outputs)."""
-    options.setdefault("epsilon", EPSILON)
-    return reference.batchnorm_training_backward(**case, **options)
-
-
-def check_result(result, ref, t1, t2, num_outputs=3):
-    assert_close(result.diff_src, ref[0], t1)
-    if num_outputs == 3:
-        assert_close(result.diff_gamma, ref[1], t2)
-        assert_close(result.diff_beta, ref[2], t2)
-    else:
-        assert result.diff_gamma is None and result.diff_beta is None
 
 
 def snapshot(arrays):
@@ -184,168 +148,6 @@ def test_dtype_combinations_num_outputs_1(rng, t1, t2):
     case = make_case(rng, (40, 5), "NXC", t1, t2)
     result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, num_outputs=1)
     check_result(result, expected(case, num_outputs=1), t1, t2, num_outputs=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Threads (contract §1 bit-identical results, §4)
-
-# Big enough to be split into several reduction blocks.
-THREAD_CASES = [
-    pytest.param((3, 5, 70000), "NCX", F32, "contiguous", id="ncx-3x5x70000"),
-    pytest.param((70000, 7), "NXC", F32, "contiguous", id="nxc-70000x7"),
-    pytest.param((1 << 18, 1), "NXC", F32, "contiguous", id="nxc-one-channel"),
-    pytest.param((70000, 7), "NXC", F32, "transposed", id="nxc-70000x7-transposed"),
-    pytest.param((3, 5, 70000), "NCX", F32, "negative", id="ncx-3x5x70000-negative"),
-    pytest.param((70000, 7), "NXC", F16, "contiguous", id="nxc-70000x7-f16"),
-    pytest.param((3, 5, 70000), "NCX", BF16, "contiguous", id="ncx-3x5x70000-bf16",
-                 marks=requires_bf16),
-]
-
-
-@functools.cache
-def big_case(shape, data_format, t1, layout="contiguous"):
-    case = make_case(np.random.default_rng(sum(shape)), shape, data_format, t1,
-                     BF16 if t1 == BF16 else F32)
-    return {k: make_layout(v, layout) for k, v in case.items()}
-
-
-@functools.cache
-def one_thread_bytes(shape, data_format, t1, layout="contiguous"):
-    result = bnbw_native.batchnorm_training_backward(
-        **big_case(shape, data_format, t1, layout), epsilon=EPSILON, data_format=data_format,
-        num_threads=1)
-    return [a.tobytes() for a in result]
-
-
-@pytest.fixture
-def default_threads():
-    """Start and end with the initial setting: follow OpenMP."""
-    bnbw_native.set_num_threads(None)
-    yield
-    bnbw_native.set_num_threads(None)
-
-
-@pytest.mark.parametrize("num_threads", [2, 3, 4, None])
-@pytest.mark.parametrize("shape, data_format, t1, layout", THREAD_CASES)
-def test_bit_identical_for_every_thread_count(default_threads, shape, data_format, t1, layout,
-                                              num_threads):
-    result = bnbw_native.batchnorm_training_backward(
-        **big_case(shape, data_format, t1, layout), epsilon=EPSILON, data_format=data_format,
-        num_threads=num_threads)
-    assert [a.tobytes() for a in result] == one_thread_bytes(shape, data_format, t1, layout)
-
-
-@pytest.mark.parametrize("package_default", [1, 3])
-def test_set_num_threads_result_is_bit_identical(default_threads, package_default):
-    shape, data_format = (70000, 7), "NXC"
-    bnbw_native.set_num_threads(package_default)
-    result = bnbw_native.batchnorm_training_backward(
-        **big_case(shape, data_format, F32), epsilon=EPSILON, data_format=data_format)
-    assert [a.tobytes() for a in result] == one_thread_bytes(shape, data_format, F32)
-
-
-@pytest.mark.parametrize("shape, data_format, t1, layout", THREAD_CASES)
-def test_large_shapes_match_reference(shape, data_format, t1, layout):
-    case = big_case(shape, data_format, t1, layout)
-    t2 = BF16 if t1 == BF16 else F32
-    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
-                                                     data_format=data_format)
-    check_result(result, expected(case, data_format=data_format), t1, t2)
-
-
-def test_set_num_threads_sets_the_default(default_threads):
-    bnbw_native.set_num_threads(2)
-    assert bnbw_native.get_num_threads() == 2
-
-
-def test_set_num_threads_none_restores_following_openmp(default_threads):
-    following = bnbw_native.get_num_threads()
-    bnbw_native.set_num_threads(following + 1)
-    bnbw_native.set_num_threads(None)
-    assert bnbw_native.get_num_threads() == following
-
-
-def test_get_num_threads_follows_threadpool_limits(default_threads):
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    with threadpoolctl.threadpool_limits(1):
-        assert bnbw_native.get_num_threads() == 1
-
-
-def test_set_num_threads_wins_over_openmp(default_threads):
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    bnbw_native.set_num_threads(2)
-    with threadpoolctl.threadpool_limits(1):
-        assert bnbw_native.get_num_threads() == 2
-
-
-def test_concurrent_calls_agree_with_serial():
-    cases = [make_case(np.random.default_rng(seed), (20000, 5)) for seed in range(8)]
-
-    def run(case):
-        result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON, num_threads=2)
-        return [a.tobytes() for a in result]
-
-    serial = [run(case) for case in cases]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        assert list(pool.map(run, cases)) == serial
-
-
-def test_show_config_prints_version_and_openmp(capsys):
-    version = getattr(bnbw_native, "__version__", None) or importlib.metadata.version(
-        "bnbw_native")
-    bnbw_native.show_config()
-    printed = capsys.readouterr().out
-    assert version in printed
-    assert "OpenMP" in printed
-
-
-# ---------------------------------------------------------------------------------------------
-# Accuracy of the sums at M = 2^24 with |mean| >> std (contract §1)
-
-M_BIG = 1 << 24
-
-
-@functools.cache
-def accuracy_case(dy_kind, storage):
-    """x, dy stored as `storage` (f16/bf16 sums go through f32 blocks: the same bound);
-    mean and var those of the stored x."""
-    rng = np.random.default_rng(24)
-    x = (1000.0 + rng.standard_normal(M_BIG, dtype=np.float32)).astype(storage)
-    x64 = x.astype(np.float64)
-    mean, var = x64.mean(), x64.var()
-    noise = rng.standard_normal(M_BIG, dtype=np.float32)
-    if dy_kind == "random":
-        dy = noise
-    else:  # correlated with x, non-zero mean: both sums are large, no cancellation in the refs
-        dy = ((x64 - mean) + 0.1 + 0.5 * noise).astype(np.float32)
-    return x, dy.astype(storage), np.float32([mean]), np.float32([var])
-
-
-@pytest.mark.parametrize("storage", [F32, np.dtype(np.float16)] + ([BF16] if BF16 else []),
-                         ids=lambda t: str(t))
-@pytest.mark.parametrize("dy_kind", ["random", "correlated"])
-@pytest.mark.parametrize("data_format, shape", [("NXC", (M_BIG, 1)), ("NCX", (1, 1, M_BIG))])
-def test_parameter_gradients_accurate_for_2_24_elements(data_format, shape, dy_kind, storage):
-    x, dy, mean, var = accuracy_case(dy_kind, storage)
-    case = dict(src=x.reshape(shape), diff_dst=dy.reshape(shape), mean=mean, variance=var)
-    result = bnbw_native.batchnorm_training_backward(**case, epsilon=EPSILON,
-                                                     data_format=data_format)
-    _, ref_dgamma, ref_dbeta = expected(case, data_format=data_format)
-
-    # Denominator: max(|ref|, 2-norm of the summands).  The 2-norm (sqrt(M) * rms) is the size a
-    # sum of M random-signed terms typically has; when the drawn |sum| is much smaller, that is
-    # luck of the draw, and any accumulation error scales with the terms, not with the result.
-    # Rounding the exact sum to f32 alone costs <= 6e-8 * |ref|; 1e-6 leaves room for careful
-    # accumulation but not for a plain f32 running sum or for sum(g*x) - mean*sum(g).
-    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
-    r = 1.0 / np.sqrt(float(var[0]) + float(np.float32(EPSILON)))
-    gamma_terms_norm = r * np.sqrt(np.sum(((x64 - float(mean[0])) * dy64) ** 2))
-    beta_terms_norm = np.sqrt(np.sum(dy64**2))
-    for got, ref, norm in ((result.diff_gamma, ref_dgamma, gamma_terms_norm),
-                           (result.diff_beta, ref_dbeta, beta_terms_norm)):
-        assert got.dtype == F32 and got.shape == (1,)
-        error = abs(float(got[0]) - ref[0]) / max(abs(ref[0]), norm)
-        assert error <= 1e-6, f"relative error {error:.3g} (got {got[0]!r}, ref {ref[0]!r})"
 
 
 # ---------------------------------------------------------------------------------------------
