@@ -66,7 +66,7 @@ def test_every_case_produces_a_checked_row(rows):
         assert row.check == "pass"
         assert row.ours_ms > 0 and row.probe_ms > 0 and row.roofline_pct > 0
         assert max(row.err) <= max(checks.TOLERANCE[row.dtype])
-        assert row.numpy_ms is not None and row.ref_ms is not None
+        assert row.numpy_ms > 0 and row.ref_ms > 0
         assert (row.torch_ms is not None) == (peers.torch is not None)
         relu = row.formula in cases.RELU_FORMULAS
         assert (row.unfused_ms is not None) == (relu and peers.torch is not None)
@@ -139,7 +139,17 @@ def test_results_written_as_json(rows, tmp_path):
     assert "xonednn" in table.header and "xunfus" in table.header
     for row in rows:
         assert row.case in table.row(row) and row.case in report.format_row(row)
-    assert report.weak_summary(rows, report.weak_rows(rows)) is not None
+    # the weak-row summary counts every weak row once, in the group of its row's case
+    weak = report.weak_rows(rows)
+    summary = report.weak_summary(rows, weak)
+    assert sum(stats["weak"] for _, stats in summary) == len(weak)
+    assert all(0 < stats["weak"] <= stats["rows"] for _, stats in summary)
+    assert report.weak_summary(rows, []) == []
+    first = rows[0]
+    ((key, stats),) = report.weak_summary(rows, [(first, "made weak here")])
+    assert key == (first.size_class, first.dtype, first.formula, first.layout, first.threads)
+    assert stats["weak"] == 1 and stats["rows"] == sum(
+        (r.size_class, r.dtype, r.formula, r.layout, r.threads) == key for r in rows)
 
 
 def test_network_totals_weigh_each_shape_by_its_layers(rows):

@@ -14,8 +14,8 @@ def run_example(relative, tmp_path, args=(), timeout=300):
 
 
 def test_every_example_is_run_here():
-    """A new example gets a test here (the torch ones live with the distributed and the fused
-    ReLU tests)."""
+    """A new example gets a test here (the distributed one, which starts gloo ranks, lives with
+    the distributed tests)."""
     found = {p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*")
              if p.suffix in (".py", ".c") and "build" not in p.parts}
     assert found == {"numpy_arrays.py", "dml_raw_buffers.py", "distributed_gloo.py",
@@ -54,3 +54,29 @@ def test_distributed_gloo_example_is_tested_elsewhere():
     it."""
     text = (ROOT / "tests" / "surfaces" / "test_distributed.py").read_text()
     assert "distributed_gloo.py" in text
+
+
+# ---- the torch examples ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [[], pytest.param(["--channels-last"], marks=pytest.mark.slow)],
+                         ids=["NCHW", "channels_last"])
+def test_train_resnet_fused(tmp_path, layout):
+    """A small ResNet-like network with fused BatchNormReLU layers trains alike to plain torch."""
+    pytest.importorskip("torch")
+    out = run_example("train_resnet_fused.py", tmp_path, args=["--short", *layout])
+    assert "4 BatchNormReLU + 5 BatchNorm" in out and "gradients match plain torch" in out
+    losses = [line.split() for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3
+    for words in losses:                 # the two copies train alike
+        assert abs(float(words[4]) - float(words[6])) <= 1e-4 * abs(float(words[4]))
+    assert "time per training step" in out
+
+
+def test_bench_torch_layers(tmp_path):
+    """The layer benchmark times every layer against torch's own."""
+    pytest.importorskip("torch")
+    out = run_example("bench_torch_layers.py", tmp_path, args=["--quick", "--threads", "1"])
+    rows = [line.split() for line in out.splitlines() if line.startswith("  Batch")]
+    assert [r[0] for r in rows] == ["BatchNorm", "BatchNormReLU", "BatchNormReLU/inplace"] * 2
+    assert all(float(r[2]) > 0 and float(r[6]) > 0 for r in rows)
+

@@ -1,11 +1,12 @@
 """bnbw_native.autograd.BatchNormReLU, SyncBatchNormReLU and convert_batchnorm(fuse_relu=True)
 against torch.nn.Sequential(BatchNorm*d, ReLU): in float64 on the same data, in torch's
 float32, in half precision, channels-last, with inplace ReLUs, across gloo ranks, through
-state dicts, and the conversions themselves.
+state dicts, and the conversions themselves.  The example that trains with them
+(examples/train_resnet_fused.py) runs in package/test_examples.py; what they refuse is in
+test_refusals.py.
 """
 import copy
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -368,41 +369,3 @@ def test_sync_batchnorm_relu_compiles_to_the_same_bits(three_ranks):
     # compiled and eager results bit for bit
     _, ranks = three_ranks
     assert all(bool(res["compiled_equal"]) for res in ranks)
-
-
-# ---- the example ----------------------------------------------------------------------------
-
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "train_resnet_fused.py")
-BENCH = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "bench_torch_layers.py")
-
-
-def run_example(path, *args):
-    import bnbw_native
-    root = os.path.dirname(os.path.dirname(os.path.abspath(bnbw_native.__file__)))
-    pythonpath = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=root + (os.pathsep + pythonpath if pythonpath else ""))
-    done = subprocess.run([sys.executable, path, *args], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
-@pytest.mark.skipif(not os.path.exists(EXAMPLE), reason="examples/ is not beside tests/")
-@pytest.mark.parametrize("layout", [[], pytest.param(["--channels-last"], marks=pytest.mark.slow)],
-                         ids=["NCHW", "channels_last"])
-def test_resnet_example_runs(layout):
-    out = run_example(EXAMPLE, "--short", *layout)
-    assert "4 BatchNormReLU + 5 BatchNorm" in out and "gradients match plain torch" in out
-    losses = [line.split() for line in out.splitlines() if line.startswith("step ")]
-    assert len(losses) == 3
-    for words in losses:                 # the two copies train alike
-        assert abs(float(words[4]) - float(words[6])) <= 1e-4 * abs(float(words[4]))
-    assert "time per training step" in out
-
-
-@pytest.mark.skipif(not os.path.exists(BENCH), reason="examples/ is not beside tests/")
-def test_layer_benchmark_runs():
-    out = run_example(BENCH, "--quick", "--threads", "1")
-    rows = [line.split() for line in out.splitlines() if line.startswith("  Batch")]
-    assert [r[0] for r in rows] == ["BatchNorm", "BatchNormReLU", "BatchNormReLU/inplace"] * 2
-    assert all(float(r[2]) > 0 and float(r[6]) > 0 for r in rows)
