@@ -1,5 +1,6 @@
-"""What a new user meets first works as written: the C API from a freshly compiled extension in
-a fresh interpreter, and a clear message when Python picks up the unbuilt source tree."""
+"""Importing bnbw_native, as a new user first meets it: the C API's table (bnbw_import) from a
+freshly compiled extension in a fresh interpreter, a clear message when Python picks up the
+unbuilt source tree, and a broken install's own error kept."""
 import shutil
 import textwrap
 
