@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI: Open MPI and mpi4py for the MPI test of tests/test_distributed.py.  Best effort: any
+# CI: Open MPI and mpi4py for the MPI test of tests/surfaces/test_distributed.py.  Best effort: any
 # failure (no root, no network, no apt) prints why and exits 0, and the test then skips with
 # its stated reason.  Run it inside the virtual environment the tests use (pip -> that env).
 # Takes ~40 s on a Debian 12 machine (apt ~35 s, the mpi4py wheel ~5 s).

@@ -10,7 +10,7 @@
 # detection is off (the interpreter keeps its own objects until exit).  PYTHONMALLOC=malloc routes
 # Python objects through malloc, so a kernel writing past an array into a neighbouring Python
 # object is caught too.  Every report also goes to a log file (child processes of the tests,
-# forked or spawned, included); any such file fails the run.  tests/test_memory.py is left out:
+# forked or spawned, included); any such file fails the run.  tests/engine/test_memory.py is left out:
 # ASan's allocator and quarantine make RSS, mallinfo and peak figures meaningless.
 #
 # The virtual environment sees the system's packages (numpy, Cython, pytest, hypothesis,
@@ -75,7 +75,7 @@ status=0
     export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$work/reports/ubsan"
     export PYTHONPATH="$work/src"
     "$py" -m pytest -q -p no:cacheprovider "${selection[@]}" \
-        --ignore=tests/test_memory.py tests "$@"
+        --ignore=tests/engine/test_memory.py tests "$@"
 ) || status=$?
 echo "sanitizers: tests ran in $(( $(date +%s) - start )) s, pytest status $status"
 

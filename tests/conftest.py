@@ -1,22 +1,59 @@
 """Shared fixtures and helpers for the bnbw_native tests.
 
-Test modules import the helpers by name (``from conftest import kernels, make_layout``): pytest
-puts this directory on ``sys.path`` (rootdir conftest, default import mode).  How close a result
+The tests are grouped by what they test: engine/ (the engine and its kernels), surfaces/ (each
+public surface, and surfaces/test_refusals.py: every refused call of every surface) and package/
+(build, packaging, documentation, examples, the benchmark's machinery).  This file, the only
+conftest.py, sits above them: test modules in every folder import its helpers by name
+(``from conftest import kernels, make_layout``), and those of error_bounds.py and cext.py
+beside it, because pytest puts this directory on ``sys.path`` (rootdir conftest, default import
+mode).  The benchmark's modules (bench/) are reached through `bench_module` or the `bench`
+fixture below, nowhere else.  How close a result
 must be to the float64 reference is decided in one place, error_bounds.py (its table,
 `assert_close` and `assert_within`); `assert_close` and `BF16` are re-exported here.
 Section numbers in the tests ("contract §3.1") are those of docs/contract.md.
 """
+import importlib
+import sys
 import zlib
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+from bnbw_native import reference
 
 from error_bounds import BF16, assert_close  # noqa: F401  (re-exported)
 
 requires_bf16 = pytest.mark.skipif(BF16 is None, reason="ml_dtypes is not installed")
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "negative")
+
+#: The benchmark's directory (a checkout's or an unpacked sdist's bench/).
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_module(name):
+    """The benchmark module bench/<name>.py, imported as the benchmark's own scripts import each
+    other (top-level names: ``shapes``, ``procmem``, ...).  bench/ goes on ``sys.path`` here,
+    once; no test module edits ``sys.path`` for it."""
+    path = str(BENCH_DIR)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
+class _Bench:
+    """The benchmark's modules as attributes: ``bench.shapes``, ``bench.balance``."""
+
+    def __getattr__(self, name):
+        return bench_module(name)
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """bench/'s modules for a test: ``def test_x(bench): bench.shapes.RESNET50_B50``."""
+    return _Bench()
 
 
 @contextmanager
@@ -100,3 +137,46 @@ def make_layout(array, layout):
     assert view.shape == a.shape and view.dtype == a.dtype
     assert np.array_equal(view, a, equal_nan=True)
     return view
+
+
+# --------------------------------------------------------------------------------------------
+# A oneDNN Graph call (contract 3.1) and its check: surfaces/test_onednn_graph.py, and the
+# engine tests that run the same call (thread counts, concurrency)
+
+GRAPH_EPSILON = 1e-3
+F32 = np.dtype(np.float32)
+
+
+def channel_axis(ndim, data_format):
+    return 1 if data_format == "NCX" else ndim - 1
+
+
+def graph_case(rng, shape, data_format="NXC", t1=F32, t2=F32, with_gamma=True):
+    """Keyword arguments for a call: x ~ N(5, 2); mean and biased variance computed from the
+    rounded x in float64, then rounded to `t2`; dy = 1.5 * x_hat + 0.5 + N(0, 1)."""
+    axis = channel_axis(len(shape), data_format)
+    axes = tuple(i for i in range(len(shape)) if i != axis)
+    x = rng.normal(5.0, 2.0, shape).astype(t1)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=axes, keepdims=True)
+    var = x64.var(axis=axes, keepdims=True)
+    x_hat = (x64 - mean) / np.sqrt(var + GRAPH_EPSILON)
+    dy = (1.5 * x_hat + 0.5 + rng.normal(0.0, 1.0, shape)).astype(t1)
+    gamma = rng.normal(1.0, 0.5, shape[axis]).astype(t2) if with_gamma else None
+    return dict(src=x, diff_dst=dy, mean=mean.reshape(-1).astype(t2),
+                variance=var.reshape(-1).astype(t2), gamma=gamma)
+
+
+def graph_reference(case, **options):
+    """The float64 reference for `case` (options: epsilon, data_format, num_outputs)."""
+    options.setdefault("epsilon", GRAPH_EPSILON)
+    return reference.batchnorm_training_backward(**case, **options)
+
+
+def check_graph_result(result, ref, t1, t2, num_outputs=3):
+    assert_close(result.diff_src, ref[0], t1)
+    if num_outputs == 3:
+        assert_close(result.diff_gamma, ref[1], t2)
+        assert_close(result.diff_beta, ref[2], t2)
+    else:
+        assert result.diff_gamma is None and result.diff_beta is None

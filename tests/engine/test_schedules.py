@@ -1,0 +1,147 @@
+"""Which schedule runs, with how many threads and how wide a slice, never changes a bit.
+
+The schedules (bnbw_native/_schedules.pyx) choose between splitting a call into two passes and
+fusing them per group of channels, and size slices and groups from the thread count and the
+caches of the machine.  The reduction's partition (the plan's row blocks) depends on the
+tensors only, so every choice must give the same bits: each call below runs under several
+cache models (which switch between fused and split schedules and change slice widths) and
+thread counts, more threads than this machine has cores included, and is compared with the
+one-thread split call bit for bit.  The schedules' own balance - how many items each of 8, 16
+and 64 threads gets - is checked on the network shapes of the benchmark, and the engine's own
+account of a call (_arrays.describe: its layout, schedule, threads, sums and temporaries) is
+checked on calls whose schedule is known.
+"""
+import numpy as np
+import pytest
+
+from bnbw_native import _arrays, _schedules, backward_reduce, batchnorm_training_backward
+from bnbw_native._onednn_graph import GRAPH
+from conftest import BF16
+
+NO_CACHE = (1 << 10, 1 << 12, 64)          # nothing fits: split schedules everywhere
+SMALL_CACHE = (1 << 20, 32 << 20, 16)
+LARGE_CACHE = (8 << 20, 1 << 30, 2)        # everything fits: large fused groups
+MODELS = [NO_CACHE, SMALL_CACHE, LARGE_CACHE]
+THREADS = [1, 2, 3, 7]                     # 7: more threads than this machine's cores
+
+DTYPES = [np.float32, np.float16] + ([BF16] if BF16 is not None else [])
+CASES = [  # shape, data_format
+    ((64, 7, 7, 96), "NXC"),               # 3136 rows of 96 channels: several row blocks
+    ((9, 11, 13, 40), "NXC"),              # odd rows and a partial line of channels
+    ((600, 300), "NXC"),                   # rank 2, slices of 300 channels
+    ((16, 10, 10, 1024), "NXC"),           # slices narrower than a row on many threads
+    ((16, 48, 9, 9), "NCX"),
+    ((2, 6, 5000), "NCX"),                 # rows longer than a kernel call's piece
+]
+
+
+@pytest.fixture
+def cache_model():
+    before = _schedules.cache_model()
+    yield _schedules.set_cache_model
+    _schedules.set_cache_model(*before)
+
+
+def _bits(results):
+    return [None if r is None else np.ascontiguousarray(r).view(np.uint8).tobytes()
+            for r in results]
+
+
+def _problem(rng, shape, data_format, dtype):
+    C = shape[-1] if data_format == "NXC" else shape[1]
+    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32).astype(dtype)
+    dy = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    y = rng.standard_normal(shape) > 0
+    stats = [rng.standard_normal(C).astype(np.float32), (rng.random(C) + 0.5).astype(np.float32),
+             rng.standard_normal(C).astype(np.float32)]
+    return x, dy, y, stats
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape, data_format", CASES, ids=str)
+def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, dtype, shape,
+                                                            data_format):
+    x, dy, y, (mean, var, gamma) = _problem(rng, shape, data_format, dtype)
+
+    def run(threads):
+        fused = batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                            data_format=data_format, num_threads=threads)
+        masked = batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                             data_format=data_format, num_threads=threads,
+                                             relu_dst=y)
+        sums = backward_reduce(x, dy, mean, data_format=data_format, num_threads=threads)[0]
+        return _bits(list(fused) + list(masked) + [sums])
+
+    cache_model(*NO_CACHE)
+    want = run(1)
+    schedules = set()
+    for model in MODELS:
+        cache_model(*model)
+        for threads in THREADS:
+            assert run(threads) == want, (model, threads)
+            schedules.add(_arrays.describe(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, 1e-5,
+                                         data_format, threads)["schedule"])
+    if data_format == "NCX":
+        assert "major-sweep-fused" in schedules         # fused groups of several sizes met
+
+
+@pytest.mark.parametrize("threads", [8, 16, 64])
+@pytest.mark.parametrize("data_format", ["NXC", "NCX"])
+def test_threads_get_balanced_work_on_network_shapes(bench, cache_model, threads, data_format):
+    """On every batch-norm shape of ResNet-50 and MobileNet-v2 at batch 50, a training call on
+    8, 16 or 64 threads splits into items enough for every thread that has 32 K elements to
+    work on, and wherever the rows and whole lines of channels make four items per thread,
+    the items (equal-sized, handed out dynamically) split evenly enough that the busiest
+    thread does at most a quarter more than the mean."""
+    cache_model(*SMALL_CACHE)
+    shapes, items_of = bench.shapes, bench.balance.describe    # the schedule a call gets
+    for name, nchw in {**shapes.RESNET50_B50, **shapes.MOBILENETV2_B50}.items():
+        shape = nchw if data_format == "NCX" else (nchw[0], *nchw[2:], nchw[1])
+        facts = items_of(shape, data_format, threads)
+        items, used = facts["items"], facts["threads"]
+        worth = min(threads, int(np.prod(shape)) // 32768)
+        assert used == min(threads, items) and items >= worth, (name, facts)
+        busiest = -(-items // used)
+        if items >= 4 * used:
+            assert busiest <= 1.25 * items / used, (name, facts)
+
+
+# ---- the plan and schedule a call gets (what _arrays.describe says) ------------------------
+
+def describe(x, data_format, formula=_arrays.TRAINING, num_threads=1, **kw):
+    C = x.shape[-1 if data_format == "NXC" else 1]
+    mean, var = np.zeros(C, np.float32), np.ones(C, np.float32)
+    return _arrays.describe(GRAPH, formula, x, x, mean, var, None, 1e-5, data_format,
+                          num_threads, **kw)
+
+
+@pytest.mark.parametrize("shape, data_format, threads, formula, cache, schedule", [
+    ((32, 14, 14, 64), "NXC", 2, _arrays.TRAINING, SMALL_CACHE, "last-split"),
+    ((32, 14, 14, 64), "NXC", 2, _arrays.FROZEN_DX, SMALL_CACHE, "last-split"),
+    ((32, 64, 14, 14), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-sweep-fused"),
+    ((1, 4, 70000), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-channel-fused"),
+    ((32, 64, 14, 14), "NCX", 2, _arrays.FROZEN_DX, SMALL_CACHE, "major-sweep"),
+    ((1, 2, 70000), "NCX", 2, _arrays.FROZEN_DX, SMALL_CACHE, "major-blocks"),
+    ((0, 4, 3), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "nothing"),
+])
+def test_describe_names_the_schedule(cache_model, shape, data_format, threads, formula, cache,
+                                     schedule):
+    cache_model(*cache)
+    facts = describe(np.zeros(shape, np.float32), data_format, formula, threads)
+    assert facts["schedule"] == schedule
+    assert facts["layout"] == ("empty" if 0 in shape else
+                               "channel-last" if data_format == "NXC" else "channel-major")
+
+
+def test_describe_reports_threads_sums_and_temporaries():
+    x = np.zeros((4, 3, 8, 8), np.float16)
+    facts = describe(x, "NCX", num_threads=2)
+    assert facts["sums"] == "blocked" and facts["threads"] == 1     # too small for threads
+    assert facts["channels"] == 3 and facts["count"] == 256
+    assert describe(x.astype(np.float32), "NCX")["sums"] == "exact"
+    if BF16 is not None:
+        assert describe(x.astype(BF16), "NCX")["sums"] == "blocked-even-odd"
+    like_nhwc = np.zeros((4, 8, 8, 3), bool).transpose(0, 3, 1, 2)  # same rows as x
+    assert describe(x, "NCX", relu_dst=like_nhwc)["via_temp"] == []
+    swapped = np.zeros((4, 3, 8, 8), bool).transpose(0, 1, 3, 2)     # H and W swapped
+    assert describe(x, "NCX", relu_dst=swapped)["via_temp"] == ["relu_dst"]

@@ -1,0 +1,356 @@
+"""bnbw_native.autograd (issue 7): the PyTorch layer against torch.nn.BatchNorm*d.
+
+Gradient checks compare float32 results with torch's float32 layer and with torch's layer in
+float64 on the same (float32) data: gradcheck itself needs float64 inputs, which the kernel
+does not take.  A short training run checks that the layer trains like torch's.
+"""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from bnbw_native import autograd as bag  # noqa: E402  (after the importorskip)
+from bnbw_native import _torch_ops as ops  # noqa: E402
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+
+def rel_err(got, ref):
+    """max |got - ref| / max |ref|, in float64."""
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
+            5: torch.nn.BatchNorm3d}
+
+
+def run(layer, x, g, dtype=None, relu=False):
+    """y, dx, dweight, dbias for the loss sum(y * g) (y = relu(layer(x)) when relu); x is
+    copied, its layout kept."""
+    x = x.detach().clone(memory_format=torch.preserve_format)
+    if dtype is not None:
+        x, g = x.to(dtype), g.to(dtype)
+    x.requires_grad_()
+    y = layer(x)
+    if relu:
+        y = torch.relu(y)
+    (y * g).sum().backward()
+    grads = [x.grad]
+    if layer.weight is not None:
+        grads += [layer.weight.grad, layer.bias.grad]
+    return [y] + grads
+
+
+def pair(num_features, ndim=4, **kw):
+    """Our layer and torch's, with the same non-trivial parameters."""
+    ours = bag.BatchNorm(num_features, **kw)
+    ref = TORCH_BN[ndim](num_features, **kw)
+    if ours.weight is not None:
+        with torch.no_grad():
+            ours.weight.copy_(torch.linspace(0.5, 1.5, num_features))
+            ours.bias.copy_(torch.linspace(-1, 1, num_features))
+        ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def data(shape, seed=0, channels_last=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 2 + 0.5
+    dy = torch.randn(shape, generator=g)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, dy
+
+
+# ---- gradients --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+def test_gradients_match_batchnorm2d(channels_last):
+    x, g = data((8, 16, 12, 10), channels_last=channels_last)
+    ours, ref = pair(16)
+    ref64 = copy.deepcopy(ref).double()
+    got, want, exact = run(ours, x, g), run(ref, x, g), run(ref64, x, g, torch.float64)
+    for name, a, b, c in zip(("y", "dx", "dweight", "dbias"), got, want, exact):
+        assert a.dtype == torch.float32
+        assert rel_err(a, b) <= 1e-5, name          # torch's float32 layer
+        assert rel_err(a, c) <= 1e-6, name          # the float64 layer on the same data
+    assert got[1].is_contiguous(memory_format=torch.channels_last) == channels_last
+    for buf in ("running_mean", "running_var"):
+        assert rel_err(getattr(ours, buf), getattr(ref64, buf)) <= 1e-6
+    assert int(ours.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+@pytest.mark.parametrize("offset", [0.0, 1e3, 1e5])
+def test_batch_statistics_are_float64_accurate(channels_last, offset):
+    # |mean| >> std: Sum x^2 - (Sum x)^2 / n alone would cancel; the result must still be the
+    # float64 statistics rounded once to float32 (momentum 1: running stats = batch stats)
+    x, _ = data((16, 8, 9, 9), seed=8, channels_last=channels_last)
+    x = x + offset
+    layer = bag.BatchNorm(8, momentum=1.0)
+    layer(x)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=1)
+    assert rel_err(layer.running_mean, mean64) <= 1e-7
+    assert rel_err(layer.running_var, var64) <= 2e-7
+
+
+@pytest.mark.parametrize("shape", [(64, 5), (9, 4, 11), (3, 4, 5, 3, 6)],
+                         ids=["1d-NC", "1d-NCL", "3d"])
+def test_other_ranks_match_torch(shape):
+    x, g = data(shape, seed=1)
+    ours, ref = pair(shape[1], ndim=len(shape))
+    ref64 = copy.deepcopy(ref).double()
+    for name, a, c in zip(("y", "dx", "dw", "db"), run(ours, x, g),
+                          run(ref64, x, g, torch.float64)):
+        assert rel_err(a, c) <= 1e-6, name
+
+
+def test_channels_last_3d_is_read_in_place():
+    x, g = data((3, 4, 5, 3, 6), seed=2)
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    ours, ref = pair(4, ndim=5)
+    got, want = run(ours, x, g), run(copy.deepcopy(ref).double(), x, g, torch.float64)
+    assert got[1].is_contiguous(memory_format=torch.channels_last_3d)
+    assert all(rel_err(a, c) <= 1e-6 for a, c in zip(got, want))
+
+
+@pytest.mark.parametrize("kw", [dict(affine=False), dict(track_running_stats=False),
+                                dict(momentum=None)], ids=["no-affine", "no-running",
+                                                           "cumulative"])
+def test_options_match_batchnorm2d(kw):
+    x, g = data((6, 3, 5, 5), seed=3)
+    ours, ref = pair(3, **kw)
+    ref64 = copy.deepcopy(ref).double()
+    for step in range(2):
+        x = x + step
+        for a, c in zip(run(ours, x, g), run(ref64, x, g, torch.float64)):
+            assert rel_err(a, c) <= 1e-6
+    ours.eval()
+    ref64.eval()
+    assert rel_err(ours(x), ref64(x.double())) <= 1e-6
+    if ours.running_mean is not None:
+        assert rel_err(ours.running_var, ref64.running_var) <= 1e-6
+
+
+def test_eval_mode_is_torch_eval():
+    x, g = data((6, 3, 5, 5), seed=4)
+    ours, ref = pair(3)
+    run(ours, x, g)
+    ref.load_state_dict(ours.state_dict())
+    ours.eval()
+    ref.eval()
+    assert torch.equal(ours(x), ref(x))
+
+
+def test_parameters_only_match_the_full_backward():
+    # x without requires_grad: the layer takes the reduce-only path
+    x, g = data((8, 6, 7, 7), seed=5)
+    full, _ = pair(6)
+    params, _ = pair(6)
+    run(full, x, g)
+    (params(x) * g).sum().backward()
+    assert rel_err(params.weight.grad, full.weight.grad) <= 1e-6
+    assert rel_err(params.bias.grad, full.bias.grad) <= 1e-6
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCX", "NXC"])
+def test_backward_hands_views_to_the_kernel(monkeypatch, channels_last):
+    seen = {}
+    kernel = ops.batchnorm_training_backward
+
+    def spy(x, dy, mean, variance, gamma, **kw):
+        seen.update(x=x, dy=dy, out=kw["out"][0], data_format=kw["data_format"])
+        return kernel(x, dy, mean, variance, gamma, **kw)
+
+    monkeypatch.setattr(ops, "batchnorm_training_backward", spy)
+    x, g = data((4, 8, 6, 5), channels_last=channels_last)
+    g = g.contiguous(memory_format=torch.channels_last if channels_last else
+                     torch.contiguous_format)
+    layer = bag.BatchNorm(8)
+    xin = x.clone(memory_format=torch.preserve_format).requires_grad_()
+    layer(xin).backward(g)
+    assert seen["data_format"] == ("NXC" if channels_last else "NCX")
+    assert seen["x"].__array_interface__["data"][0] == xin.data_ptr()
+    assert seen["out"].__array_interface__["data"][0] == xin.grad.data_ptr()
+    assert seen["x"].flags.c_contiguous and seen["out"].flags.c_contiguous
+
+
+@pytest.mark.parametrize("dtype,tol", [
+    (torch.float16, 2e-3),
+    pytest.param(torch.bfloat16, 1.6e-2, marks=pytest.mark.skipif(
+        ml_dtypes is None, reason="bfloat16 arrays need ml_dtypes")),
+], ids=["f16", "bf16"])
+def test_half_inputs(dtype, tol):
+    x, g = data((6, 4, 5, 5), seed=6)
+    x, g = x.to(dtype), g.to(dtype)
+    ours, ref = pair(4)
+    got = run(ours, x, g)
+    want = run(copy.deepcopy(ref).double(), x, g, torch.float64)
+    assert got[0].dtype == dtype and got[1].dtype == dtype
+    assert got[2].dtype == torch.float32
+    for a, c in zip(got, want):
+        assert rel_err(a, c) <= tol
+
+
+def test_functional_batch_norm():
+    x, g = data((5, 3, 4, 4), seed=7)
+    w = torch.rand(3, requires_grad=True)
+    b = torch.rand(3, requires_grad=True)
+    xin = x.clone().requires_grad_()
+    (bag.batch_norm(xin, w, b, eps=1e-3) * g).sum().backward()
+    x64 = x.double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_()
+    y64 = torch.nn.functional.batch_norm(x64, None, None, w64, b64, True, 0.0, 1e-3)
+    (y64 * g.double()).sum().backward()
+    for a, c in ((xin.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        assert rel_err(a, c) <= 1e-6
+
+
+@pytest.mark.parametrize("cls", [bag.BatchNorm, bag.BatchNormReLU])
+def test_float64_runs_torch_and_gradchecks(cls):
+    # float64 input runs torch's own kernels (the bnbw_native kernels take no float64):
+    # the same bits as torch's layers, and torch.autograd.gradcheck applies
+    x, g = data((5, 3, 4, 4), seed=9)
+    ours, ref = pair(3)
+    ours = cls(3).double()
+    ours.load_state_dict(ref.state_dict())
+    ref = ref.double()
+    got = run(ours, x, g, torch.float64)
+    want = run(ref, x, g, torch.float64, relu=cls is bag.BatchNormReLU)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(ours.running_var, ref.running_var)
+    layer = cls(3, track_running_stats=False).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([0.5, 1.0, 2.0]))
+        layer.bias.copy_(torch.tensor([0.3, -0.2, 0.1]))   # keeps ReLU inputs off 0
+    inputs = (x[:3, :, :2, :3].double().requires_grad_(),)
+    assert torch.autograd.gradcheck(layer, inputs)
+
+
+def test_float64_functional():
+    x, g = data((5, 3, 4), seed=10)
+    x64 = x.double().requires_grad_()
+    w = torch.rand(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: bag.batch_norm(x, w, None, relu=True),
+                                    (x64[:3, :, :2].detach().requires_grad_(), w))
+    with pytest.raises(TypeError, match="weight must be float64"):
+        bag.batch_norm(x64, w.float())
+
+
+# ---- modules ------------------------------------------------------------------------------
+
+def tiny_net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(16, 4))
+
+
+def test_convert_keeps_state_and_mode():
+    net = tiny_net()
+    net[1].eval()
+    before = net.state_dict()
+    converted = bag.convert_batchnorm(copy.deepcopy(net))
+    assert isinstance(converted[1], bag.BatchNorm) and isinstance(converted[4], bag.BatchNorm)
+    assert not converted[1].training and converted[4].training
+    after = converted.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert isinstance(bag.convert_batchnorm(net, sync=True)[1], bag.SyncBatchNorm)
+
+
+def train(net, channels_last, steps=50):
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 3, 1, 1, generator=g) * 0.8
+    labels = torch.arange(64) % 4
+    images = centres[labels] + torch.randn(64, 3, 12, 12, generator=g)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+        images = images.contiguous(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        batch = slice(16 * (step % 4), 16 * (step % 4) + 16)
+        loss = torch.nn.functional.cross_entropy(net(images[batch]), labels[batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return np.array(losses)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+def test_training_follows_batchnorm2d(channels_last):
+    ref = tiny_net()
+    ours = bag.convert_batchnorm(copy.deepcopy(ref))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # the same torch kernels for both runs
+    try:
+        want = train(ref, channels_last)
+        got = train(ours, channels_last)
+    finally:
+        torch.set_num_threads(threads)
+    assert got[-10:].mean() < 0.5 * got[:5].mean()          # it learns
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
+# ---- the forward in the engine, threads ---------------------------------------
+
+def test_the_layers_follow_torchs_thread_count(monkeypatch):
+    """Without num_threads, the forward and the backward run on torch.get_num_threads()
+    threads, read at every call."""
+    from bnbw_native import _torch_ops
+    seen = []
+    real = _torch_ops.threads
+    monkeypatch.setattr(_torch_ops, "threads", lambda n: seen.append(real(n)) or real(n))
+    before = torch.get_num_threads()
+    layer = bag.BatchNorm(3)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            x = torch.randn(8, 3, 5, 5, requires_grad=True)
+            layer(x).sum().backward()
+            assert seen[-2:] == [n, n]
+    finally:
+        torch.set_num_threads(before)
+    assert real(5) == 5
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_layer_forward_is_the_engines_forward(relu, channels_last):
+    """y and the batch statistics come from bnbw_native.batchnorm_training_forward, bit for
+    bit; the running statistics follow PyTorch's momentum and unbiased variance."""
+    import numpy as np
+    import bnbw_native as bn
+    torch.manual_seed(3)
+    layer = (bag.BatchNormReLU if relu else bag.BatchNorm)(4, momentum=0.3)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 1.5, 4))
+        layer.bias.copy_(torch.linspace(-1, 1, 4))
+    x = torch.randn(6, 4, 5, 7) * 3 + 1
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = layer(x)
+    xs = x.permute(0, 2, 3, 1).numpy() if channels_last else x.numpy()
+    want = bn.batchnorm_training_forward(
+        xs, np.zeros(4, np.float32), np.ones(4, np.float32), layer.weight.detach().numpy(),
+        layer.bias.detach().numpy(), epsilon=1e-5, data_format="NXC" if channels_last else "NCX",
+        fuse_relu=relu)
+    got = y.detach().permute(0, 2, 3, 1).numpy() if channels_last else y.detach().numpy()
+    assert np.array_equal(got, want.dst)
+    assert y.is_contiguous(memory_format=torch.channels_last) == channels_last
+    M = 6 * 5 * 7
+    expect_var = 0.7 * 1.0 + 0.3 * want.batch_variance.astype(np.float64) * M / (M - 1)
+    assert np.allclose(layer.running_var.numpy(), expect_var, rtol=1e-6)
+    assert np.allclose(layer.running_mean.numpy(), 0.3 * want.batch_mean, rtol=1e-6)

@@ -1,0 +1,375 @@
+"""bnbw_native.autograd.BatchNormReLU, SyncBatchNormReLU and convert_batchnorm(fuse_relu=True)
+against torch.nn.Sequential(BatchNorm*d, ReLU): in float64 on the same data, in torch's
+float32, in half precision, channels-last, with inplace ReLUs, across gloo ranks, through
+state dicts, and the conversions themselves.  The example that trains with them
+(examples/train_resnet_fused.py) runs in package/test_examples.py; what they refuse is in
+test_refusals.py.
+"""
+import copy
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from bnbw_native import _torch_ops as ops  # noqa: E402  (after the importorskip)
+from bnbw_native import autograd as bag  # noqa: E402
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
+            5: torch.nn.BatchNorm3d}
+
+
+def rel_err(got, ref):
+    """max |got - ref| / max |ref|, in float64."""
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def data(shape, seed=0, memory_format=torch.contiguous_format):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).contiguous(memory_format=memory_format)
+    return x, torch.randn(shape, generator=g)
+
+
+def pair(num_features, ndim=4, **kw):
+    """Our fused layer and torch's Sequential(BatchNorm*d, ReLU), same non-trivial state."""
+    ours = bag.BatchNormReLU(num_features, **kw)
+    if ours.weight is not None:
+        with torch.no_grad():
+            ours.weight.copy_(torch.linspace(0.5, 1.5, num_features))
+            ours.bias.copy_(torch.linspace(-1, 1, num_features))
+    ref = TORCH_BN[ndim](num_features, **kw)
+    ref.load_state_dict(ours.state_dict())
+    return ours, torch.nn.Sequential(ref, torch.nn.ReLU())
+
+
+def run(layer, x, g, dtype=None):
+    """y, dx, and the parameter gradients for the loss sum(y * g); x copied, layout kept."""
+    x = x.detach().clone(memory_format=torch.preserve_format)
+    if dtype is not None:
+        x, g = x.to(dtype), g.to(dtype)
+    x.requires_grad_()
+    layer.zero_grad()
+    y = layer(x)
+    (y * g).sum().backward()
+    return [y, x.grad] + [p.grad for p in layer.parameters()]
+
+
+def check_against_float64(ours, ref, x, g, tol=1e-6):
+    got = run(ours, x, g)
+    want = run(copy.deepcopy(ref).double(), x, g, torch.float64)
+    for name, a, c in zip(("y", "dx", "dweight", "dbias"), got, want):
+        assert rel_err(a, c) <= tol, name
+    return got, want
+
+
+# ---- gradients ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["NCHW", "channels_last"])
+def test_gradients_match_batchnorm2d_relu(memory_format):
+    x, g = data((8, 16, 12, 10), memory_format=memory_format)
+    ours, ref = pair(16)
+    got, _ = check_against_float64(ours, ref, x, g)
+    want32 = run(ref, x, g)                             # torch's float32 layers
+    for a, b in zip(got, want32):
+        assert a.dtype == torch.float32 and rel_err(a, b) <= 1e-5
+    assert (got[0] == 0).float().mean() > 0.3           # the ReLU masks a good part
+    assert got[1].is_contiguous(memory_format=memory_format)
+    for buf in ("running_mean", "running_var", "num_batches_tracked"):
+        assert rel_err(getattr(ours, buf), getattr(ref[0], buf)) <= 1e-6
+
+
+@pytest.mark.parametrize("shape", [(64, 5), (9, 4, 11), (3, 4, 5, 3, 6)],
+                         ids=["1d-NC", "1d-NCL", "3d"])
+def test_other_ranks_match_torch(shape):
+    x, g = data(shape, seed=1)
+    ours, ref = pair(shape[1], ndim=len(shape))
+    check_against_float64(ours, ref, x, g)
+
+
+@pytest.mark.parametrize("kw", [dict(affine=False), dict(track_running_stats=False),
+                                dict(momentum=None)], ids=["no-affine", "no-running",
+                                                           "cumulative"])
+def test_options_match_torch(kw):
+    x, g = data((6, 3, 5, 5), seed=2)
+    ours, ref = pair(3, **kw)
+    for step in range(2):
+        check_against_float64(ours, ref, x + step, g)
+        run(ref, x + step, g)               # keeps ref's running statistics in step
+    ours.eval()
+    ref.eval()
+    assert torch.equal(ours(x), ref(x))     # eval mode is torch's, bit for bit
+
+
+def test_parameters_only():
+    # x without requires_grad: the reduce-only path, masked
+    x, g = data((8, 6, 7, 7), seed=3)
+    ours, ref = pair(6)
+    (ours(x) * g).sum().backward()
+    ref64 = copy.deepcopy(ref).double()
+    (ref64(x.double()) * g.double()).sum().backward()
+    assert rel_err(ours.weight.grad, ref64[0].weight.grad) <= 1e-6
+    assert rel_err(ours.bias.grad, ref64[0].bias.grad) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [
+    (torch.float16, 2e-3),
+    pytest.param(torch.bfloat16, 1.6e-2, marks=pytest.mark.skipif(
+        ml_dtypes is None, reason="bfloat16 arrays need ml_dtypes")),
+], ids=["f16", "bf16"])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["NCHW", "channels_last"])
+def test_half_inputs(dtype, tol, memory_format):
+    x, g = data((6, 4, 5, 5), seed=4, memory_format=memory_format)
+    x, g = x.to(dtype), g.to(dtype)
+    ours, ref = pair(4)
+    got = run(ours, x, g)
+    want = run(copy.deepcopy(ref).double(), x, g, torch.float64)
+    assert got[0].dtype == dtype and got[1].dtype == dtype
+    assert got[2].dtype == torch.float32
+    assert got[1].is_contiguous(memory_format=memory_format)
+    for a, c in zip(got, want):
+        assert rel_err(a, c) <= tol
+
+
+def test_zero_outputs_are_inactive():
+    # a channel whose outputs are all <= 0 (bias far below) gets no gradient at all: dx = 0,
+    # dweight = dbias = 0, exactly
+    x, g = data((6, 3, 4, 4), seed=5)
+    ours, ref = pair(3)
+    with torch.no_grad():
+        ours.bias[1] = -100.0
+    ref[0].load_state_dict(ours.state_dict())
+    got, want = check_against_float64(ours, ref, x, g)
+    assert torch.all(got[0][:, 1] == 0) and torch.all(got[1][:, 1] == 0)
+    assert got[2][1] == 0 and got[3][1] == 0
+
+
+def test_backward_hands_views_to_the_kernel(monkeypatch):
+    # x, the incoming gradient and the layer's output (the ReLU mask) read in place, dx written
+    # in place into the tensor handed back to autograd
+    seen = {}
+    kernel = ops.batchnorm_training_backward
+
+    def spy(x, dy, mean, variance, gamma, **kw):
+        seen.update(x=x, dy=dy, out=kw["out"][0], data_format=kw["data_format"],
+                    relu_dst=kw["relu_dst"])
+        return kernel(x, dy, mean, variance, gamma, **kw)
+
+    monkeypatch.setattr(ops, "batchnorm_training_backward", spy)
+    x, g = data((4, 8, 6, 5), memory_format=torch.channels_last)
+    xin = x.clone(memory_format=torch.preserve_format).requires_grad_()
+    y = bag.BatchNormReLU(8)(xin)
+    grad = g.contiguous(memory_format=torch.channels_last)
+    y.backward(grad)
+    assert seen["data_format"] == "NXC"
+    assert seen["x"].__array_interface__["data"][0] == xin.data_ptr()
+    assert seen["dy"].__array_interface__["data"][0] == grad.data_ptr()
+    assert seen["relu_dst"].__array_interface__["data"][0] == y.data_ptr()
+    assert seen["out"].__array_interface__["data"][0] == xin.grad.data_ptr()
+
+
+def test_the_fused_layer_is_the_plain_layer_then_relu_bit_for_bit():
+    """The fused layer's y is the ReLU of the plain layer's (the engine's forward), and its
+    backward - the engine masking the gradient with y - equals the plain layer's backward on
+    the masked gradient (what torch's threshold_backward would pass it)."""
+    x, g = data((5, 6, 7, 3), seed=6, memory_format=torch.channels_last)
+    fused, _ = pair(6)
+    plain = bag.BatchNorm(6)
+    plain.load_state_dict(fused.state_dict())
+    y, dx, dw, db = run(fused, x, g)
+    y_plain = plain(x.detach().clone(memory_format=torch.preserve_format))
+    assert torch.equal(y, torch.relu(y_plain))
+    masked = torch.where(y > 0, g, torch.zeros(()))
+    _, dx_plain, dw_plain, db_plain = run(plain, x, masked)
+    for a, b in ((dx, dx_plain), (dw, dw_plain), (db, db_plain)):
+        assert torch.equal(a, b)
+
+
+def test_output_kept_for_the_backward_must_not_change():
+    # as with torch's ReLU: the backward reads the layer's output
+    x, _ = data((4, 3, 4, 4), seed=7)
+    x.requires_grad_()
+    y = bag.BatchNormReLU(3)(x)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+# ---- state dicts and conversion ------------------------------------------------------------
+
+def test_state_dict_round_trip_with_batchnorm2d():
+    x, g = data((6, 5, 4, 4), seed=8)
+    ref = torch.nn.BatchNorm2d(5)
+    run(ref, x, g)                                      # non-trivial running statistics
+    with torch.no_grad():
+        ref.weight.mul_(1.5)
+        ref.bias.add_(0.25)
+    ours = bag.BatchNormReLU(5)
+    ours.load_state_dict(ref.state_dict())
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    back = torch.nn.BatchNorm2d(5)
+    back.load_state_dict(ours.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v) and torch.equal(ours.state_dict()[k], v)
+    ours.eval(), ref.eval()
+    assert torch.equal(ours(x), torch.relu(ref(x)))
+
+
+def torch_net(inplace=True, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(inplace=inplace),
+        torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                            torch.nn.BatchNorm2d(8), torch.nn.ReLU()),    # nested
+        torch.nn.Conv2d(8, 4, 1, bias=False), torch.nn.BatchNorm2d(4),    # no ReLU after
+        torch.nn.Flatten(), torch.nn.Linear(4 * 36, 6), torch.nn.BatchNorm1d(6),
+        torch.nn.ReLU(inplace=inplace))                                   # 1d, last
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "not-inplace"])
+def test_convert_fuses_relus_and_keeps_keys(inplace):
+    ref = torch_net(inplace)
+    ref[5].eval()
+    net = bag.convert_batchnorm(copy.deepcopy(ref), fuse_relu=True)
+    assert type(net[1]) is bag.BatchNormReLU and type(net[2]) is torch.nn.Identity
+    assert type(net[3][1]) is bag.BatchNormReLU and type(net[3][2]) is torch.nn.Identity
+    assert type(net[5]) is bag.BatchNorm and not net[5].training
+    assert type(net[8]) is bag.BatchNormReLU and type(net[9]) is torch.nn.Identity
+    assert list(net.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in ref.state_dict().items())
+    # the converted net computes what torch's does
+    x, _ = data((5, 3, 6, 6), seed=9)
+    x64 = x.double().requires_grad_()
+    ref64 = copy.deepcopy(ref).double()
+    x32 = x.clone().requires_grad_()
+    net(x32).square().sum().backward()
+    ref64(x64).square().sum().backward()
+    assert rel_err(x32.grad, x64.grad) <= 1e-5
+    # norm-wise over the net: some gradients are 0 in exact arithmetic (the last batch norm
+    # cancels a constant shift of its input), float32 noise there
+    scale = max(float(b.grad.abs().max()) for b in ref64.parameters())
+    for (name, a), b in zip(net.named_parameters(), ref64.parameters()):
+        assert float((a.grad.double() - b.grad).abs().max()) <= 1e-5 * scale, name
+    for a, b in zip(net.buffers(), ref64.buffers()):
+        torch.testing.assert_close(a.to(b.dtype), b, rtol=1e-6, atol=1e-7)
+
+
+def test_convert_fuses_batchnorm3d():
+    torch.manual_seed(1)
+    ref = torch.nn.Sequential(torch.nn.Conv3d(2, 4, 3, padding=1), torch.nn.BatchNorm3d(4),
+                              torch.nn.ReLU(inplace=True))
+    net = bag.convert_batchnorm(copy.deepcopy(ref), fuse_relu=True)
+    assert type(net[1]) is bag.BatchNormReLU and type(net[2]) is torch.nn.Identity
+    x = torch.randn(3, 2, 4, 5, 6, generator=torch.Generator().manual_seed(2))
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    net(x32).square().sum().backward()
+    copy.deepcopy(ref).double()(x64).square().sum().backward()
+    assert x32.grad.is_contiguous(memory_format=torch.channels_last_3d)
+    assert rel_err(x32.grad, x64.grad) <= 1e-5
+
+
+def test_convert_without_fuse_keeps_relus():
+    net = bag.convert_batchnorm(torch_net())
+    assert type(net[1]) is bag.BatchNorm and type(net[2]) is torch.nn.ReLU
+
+
+def test_convert_leaves_what_it_cannot_fuse():
+    hooked = torch.nn.ReLU()
+    hooked.register_forward_hook(lambda *args: None)
+    net = torch.nn.Sequential(
+        torch.nn.BatchNorm2d(3), torch.nn.ReLU6(),           # not a ReLU
+        torch.nn.BatchNorm2d(3), torch.nn.LeakyReLU(),
+        torch.nn.BatchNorm2d(3), hooked,                      # someone watches it
+        torch.nn.ModuleDict({"bn": torch.nn.BatchNorm2d(3), "relu": torch.nn.ReLU()}),
+        torch.nn.ReLU(), torch.nn.BatchNorm2d(3))            # ReLU before, BN last
+    net = bag.convert_batchnorm(net, fuse_relu=True)
+    assert [type(m) for m in net[:6]] == [bag.BatchNorm, torch.nn.ReLU6, bag.BatchNorm,
+                                          torch.nn.LeakyReLU, bag.BatchNorm, torch.nn.ReLU]
+    assert type(net[6]["bn"]) is bag.BatchNorm and type(net[6]["relu"]) is torch.nn.ReLU
+    assert type(net[7]) is torch.nn.ReLU and type(net[8]) is bag.BatchNorm
+
+
+def test_convert_sync_and_already_converted():
+    net = bag.convert_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.ReLU()),
+                                sync=True, fuse_relu=True, num_threads=1)
+    assert type(net[0]) is bag.SyncBatchNormReLU and net[0].num_threads == 1
+    # a layer converted earlier (BatchNorm) and its ReLU fuse too; a fused one stays as it is
+    net = torch.nn.Sequential(bag.BatchNorm(3, num_threads=2), torch.nn.ReLU(),
+                              bag.BatchNormReLU(3), torch.nn.ReLU())
+    weight = net[0].weight
+    net = bag.convert_batchnorm(net, fuse_relu=True)
+    assert type(net[0]) is bag.BatchNormReLU and net[0].weight is weight
+    assert net[0].num_threads == 2
+    assert type(net[2]) is bag.BatchNormReLU and type(net[3]) is torch.nn.ReLU
+    # a bare batch norm comes back converted, unfused
+    assert type(bag.convert_batchnorm(torch.nn.BatchNorm3d(2), fuse_relu=True)) is bag.BatchNorm
+
+
+# ---- gloo ranks ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """Three gloo ranks (one of them empty) running dist/torch_worker.py."""
+    from test_distributed import BOUNDS, free_port, load_ranks, make_batch, run_all, \
+        worker_env
+    tmp = tmp_path_factory.mktemp("gloo_relu")
+    data = make_batch(tmp / "data.npz")
+    data["bounds"] = np.array(BOUNDS[3])
+    np.savez(tmp / "data.npz", **data)
+    worker = os.path.join(HERE, "dist", "torch_worker.py")
+    for attempt in range(2):        # the free port can be taken before rank 0 binds it
+        env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        codes, text = run_all([[sys.executable, worker, str(r), "3", str(tmp / "data.npz"),
+                                str(tmp)] for r in range(3)], env, tmp)
+        if not any(codes):
+            break
+        if attempt == 0 and "ddress already in use" in text:
+            continue
+        pytest.fail(f"a rank failed (return codes {codes}):\n{text}")
+    return data, load_ranks(tmp, 3)
+
+
+@pytest.mark.parametrize("tag", ["modrelu_cf", "modrelu_cl"])
+def test_sync_batchnorm_relu_equals_the_whole_batch(three_ranks, tag):
+    data, ranks = three_ranks
+    ref = torch.nn.BatchNorm2d(data["x"].shape[-1], eps=float(data["eps"])).double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(data["gamma"]))
+        ref.bias.copy_(torch.from_numpy(data["beta"]))
+    x = torch.from_numpy(np.moveaxis(data["x"], -1, 1).astype(np.float64)).requires_grad_()
+    dy = torch.from_numpy(np.moveaxis(data["dy"], -1, 1).astype(np.float64))
+    y = torch.relu(ref(x))
+    (y * dy).sum().backward()
+    assert (y == 0).double().mean() > 0.05
+    bounds = data["bounds"]
+    for r, res in enumerate(ranks):
+        lo, hi = bounds[r], bounds[r + 1]
+        assert bool(res[f"{tag}_dx_format"]), "dx keeps the input's memory format"
+        if hi > lo:
+            assert rel_err(torch.from_numpy(res[f"{tag}_y"]), y[lo:hi]) <= 1e-5
+            assert rel_err(torch.from_numpy(res[f"{tag}_dx"]), x.grad[lo:hi]) <= 1e-5
+        assert rel_err(torch.from_numpy(res[f"{tag}_rm"]), ref.running_mean) <= 1e-5
+        assert rel_err(torch.from_numpy(res[f"{tag}_rv"]), ref.running_var) <= 1e-5
+    # parameter gradients are this rank's: their sum is the whole batch's
+    dw = sum(torch.from_numpy(res[f"{tag}_dw"]).double() for res in ranks)
+    db = sum(torch.from_numpy(res[f"{tag}_db"]).double() for res in ranks)
+    assert rel_err(dw, ref.weight.grad) <= 1e-5
+    assert rel_err(db, ref.bias.grad) <= 1e-5
+
+
+def test_sync_batchnorm_relu_compiles_to_the_same_bits(three_ranks):
+    # torch.compile(fullgraph=True) with the group inside the operators; the ranks compare
+    # compiled and eager results bit for bit
+    _, ranks = three_ranks
+    assert all(bool(res["compiled_equal"]) for res in ranks)
