@@ -1,0 +1,508 @@
+"""Hostile inputs (issue 26): what a hostile user did to an earlier commit, and what it must do now.
+
+1. Out of memory for a plan's temporary: a MemoryError (C API: ERROR_OUT_OF_MEMORY) and the
+   outputs as they were - it corrupted the heap.
+2. ctypes pointer objects as DirectML buffers: a TypeError saying to pass the address as an int -
+   their own 8 bytes were taken as the buffer.
+3. Buffer addresses near the top of memory: a ValueError (C API: ERROR_ADDRESS) - the overlap
+   check wrapped around 2^64 and the kernels ran into unmapped memory.
+
+Every refusal leaves the outputs as they were (each test fills them with a sentinel first).
+Cases that crashed the interpreter run in a fresh one (tests/cext.py's run_python), so a crash
+fails its test instead of ending the run.
+"""
+import ctypes
+import json
+import os
+import re
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import bnbw_native as bn
+from bnbw_native import dml, intel_spec, ngraph, reference
+from cext import build_extension, c_compiler, run_python
+from error_bounds import BF16, assert_close
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch")
+needs_bf16 = pytest.mark.skipif(BF16 is None, reason="bfloat16 arrays need ml_dtypes")
+needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="reads /proc/self/status and sets RLIMIT_AS")
+
+EPS = 1e-3
+SENTINEL = 7.0
+MEMBERS = dml.MEMBERS
+OUTPUT_MEMBERS = MEMBERS[5:]
+
+
+def isolated(code, tmp_path, *path, prelude="", env=None):
+    """Run `prelude` then `code` (dedented) in a fresh interpreter, with `path` on its
+    PYTHONPATH; returns the JSON object it printed last.  A crash (a signal, an abort from the
+    allocator) fails the test with what the process said."""
+    source = textwrap.dedent(prelude) + "\n" + textwrap.dedent(code)
+    proc = run_python(["-c", source], *path, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, (f"the interpreter died (exit {proc.returncode}):\n"
+                                  f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def untouched(*arrays):
+    return all(bool(np.all(np.asarray(a) == SENTINEL)) for a in arrays)
+
+
+# ---- DirectML operands shared by defects 1 to 3 --------------------------------------------
+
+def dml_case(n=4, c=3, w=2):
+    """A training-grad operator over packed (n, c, w) float32 tensors, its eight buffers (outputs
+    filled with the sentinel) and the reference results."""
+    rng = np.random.default_rng(26)
+    x = (rng.standard_normal((n, c, w)) + 2).astype(np.float32)
+    dy = rng.standard_normal((n, c, w)).astype(np.float32)
+    mean = x.astype(np.float64).mean(axis=(0, 2), keepdims=True).astype(np.float32)
+    var = x.astype(np.float64).var(axis=(0, 2), keepdims=True).astype(np.float32)
+    scale = rng.uniform(0.5, 1.5, (1, c, 1)).astype(np.float32)
+    big, stats = dml.TensorDesc("float32", (n, c, w)), dml.TensorDesc("float32", (1, c, 1))
+    op = dml.BatchNormalizationTrainingGrad(
+        input=big, input_gradient=big, mean=stats, variance=stats, scale=stats,
+        output_gradient=big, output_scale_gradient=stats, output_bias_gradient=stats,
+        epsilon=EPS)
+    buffers = dict(zip(MEMBERS, (x, dy, mean, var, scale, np.full_like(x, SENTINEL),
+                                 np.full_like(mean, SENTINEL), np.full_like(mean, SENTINEL))))
+    want = reference.backward(x, dy, mean, var, scale, epsilon=EPS, reduce_axes=(0, 2))
+    return op, buffers, want
+
+
+# ---- a C caller of include/bnbw_native.h, built once ---------------------------------------
+
+CAPI_SOURCE = r"""
+/* A C caller for tests/test_hostile_inputs.py: one operator, described from Python, executed on
+ * raw addresses, reporting the status as the C API names it. */
+#include <Python.h>
+#include <stdint.h>
+#include "bnbw_native.h"
+
+static int read_dims(PyObject *seq, int64_t *out, uint32_t *count)
+{
+    Py_ssize_t n = PySequence_Length(seq), i;
+    if (n < 0)
+        return -1;
+    if (n > BNBW_MAX_DIMENSIONS) {
+        PyErr_SetString(PyExc_ValueError, "more than BNBW_MAX_DIMENSIONS dims");
+        return -1;
+    }
+    for (i = 0; i < n; ++i) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        if (item == NULL)
+            return -1;
+        out[i] = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    *count = (uint32_t)n;
+    return 0;
+}
+
+/* run(op_type, data_type, descs, addresses, epsilon, num_threads) -> (status name, message)
+ * descs: 8 (sizes, strides or None) in member order; addresses: 8 ints. */
+static PyObject *run(PyObject *self, PyObject *args)
+{
+    int op_type, data_type, num_threads, i;
+    float epsilon;
+    PyObject *descs, *addresses, *result;
+    int64_t sizes[8][BNBW_MAX_DIMENSIONS], strides[8][BNBW_MAX_DIMENSIONS];
+    bnbw_tensor_desc t[8];
+    const void *ptr[8];
+    bnbw_operator *op = NULL;
+    bnbw_status st;
+    if (!PyArg_ParseTuple(args, "iiOOfi", &op_type, &data_type, &descs, &addresses, &epsilon,
+                          &num_threads))
+        return NULL;
+    if (bnbw_import() < 0)
+        return NULL;
+    if (PySequence_Length(descs) != 8 || PySequence_Length(addresses) != 8) {
+        PyErr_SetString(PyExc_ValueError, "8 descriptors and 8 addresses, in member order");
+        return NULL;
+    }
+    for (i = 0; i < 8; ++i) {
+        PyObject *d = PySequence_GetItem(descs, i), *s = NULL, *st_obj = NULL, *a;
+        uint32_t n = 0, ns = 0;
+        unsigned long long address;
+        int bad;
+        if (d == NULL)
+            return NULL;
+        s = PySequence_GetItem(d, 0);
+        st_obj = PySequence_GetItem(d, 1);
+        Py_DECREF(d);
+        bad = s == NULL || st_obj == NULL || read_dims(s, sizes[i], &n) < 0
+              || (st_obj != Py_None && read_dims(st_obj, strides[i], &ns) < 0);
+        t[i].data_type = (bnbw_data_type)data_type;
+        t[i].dimension_count = n;
+        t[i].sizes = sizes[i];
+        t[i].strides = st_obj == Py_None ? NULL : strides[i];
+        Py_XDECREF(s);
+        Py_XDECREF(st_obj);
+        if (bad)
+            return NULL;
+        st = bnbw_api->calc_buffer_tensor_size(t[i].data_type, n, t[i].sizes, t[i].strides, NULL,
+                                               &t[i].total_tensor_size_in_bytes);
+        if (st != BNBW_OK)
+            return Py_BuildValue("(ss)", bnbw_api->status_name(st), bnbw_api->error_message());
+        a = PySequence_GetItem(addresses, i);
+        if (a == NULL)
+            return NULL;
+        address = PyLong_AsUnsignedLongLong(a);
+        Py_DECREF(a);
+        if (PyErr_Occurred())
+            return NULL;
+        ptr[i] = (const void *)(uintptr_t)address;
+    }
+    {
+        bnbw_batch_normalization_grad_desc desc = {&t[0], &t[1], &t[2], &t[3], &t[4], &t[5],
+                                                   &t[6], &t[7], epsilon};
+        bnbw_bindings b = {ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], (void *)ptr[5],
+                           (void *)ptr[6], (void *)ptr[7]};
+        Py_BEGIN_ALLOW_THREADS
+        st = bnbw_api->create_operator((bnbw_operator_type)op_type, &desc, &op);
+        if (st == BNBW_OK)
+            st = bnbw_api->execute(op, &b, num_threads);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_BuildValue("(ss)", bnbw_api->status_name(st),
+                           st == BNBW_OK ? "" : bnbw_api->error_message());
+    bnbw_api->destroy_operator(op);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"run", run, METH_VARARGS, "Build and execute one operator on raw addresses."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "hostile_capi", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_hostile_capi(void) { return PyModule_Create(&module); }
+"""
+
+TRAINING_GRAD = 2           # BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD
+FLOAT32 = 1                 # BNBW_DATA_TYPE_FLOAT32
+
+
+@pytest.fixture(scope="module")
+def capi(tmp_path_factory):
+    """The directory holding the built C caller `hostile_capi` (for a subprocess's path)."""
+    if c_compiler() is None:
+        pytest.skip("no C compiler found to build a C API caller")
+    out = tmp_path_factory.mktemp("hostile_capi")
+    source = out / "hostile_capi.c"
+    source.write_text(CAPI_SOURCE)
+    build_extension("hostile_capi", [source], out)
+    return out
+
+
+# =============================================================================================
+# 1. Out of memory for a temporary
+# =============================================================================================
+#
+# A plan that writes dx through a temporary laid out like x (dx in another memory order than x
+# and dy) allocates it inside the engine, and so does one reading relu_dst in another order.
+# The process's address space is capped at what it maps now plus a headroom: the 16 MiB
+# temporary cannot be had, everything else can - the same call with every operand in x's order
+# runs under the same cap.  A fixed mmap threshold makes glibc return every large block to the
+# system when freed, so the cap measures what is really in use.
+
+OOM_ENV = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
+
+OOM_PRELUDE = """
+import json, resource
+import numpy as np
+
+def cap_memory(headroom_mib=4):           # a temporary needs 16 MiB
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            used = int(line.split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (used + (headroom_mib << 20), resource.RLIM_INFINITY))
+
+def uncap_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+N, H, W, C = 64, 32, 32, 64                        # 4 Mi elements: 16 MiB in float32
+rng = np.random.default_rng(1)
+x = (rng.standard_normal((N, H, W, C), dtype=np.float32) + 1)       # NXC memory
+dy = rng.standard_normal((N, H, W, C), dtype=np.float32)
+mean = x.mean(axis=(0, 1, 2), dtype=np.float64).astype(np.float32)
+var = x.var(axis=(0, 1, 2), dtype=np.float64).astype(np.float32)
+gamma = rng.uniform(0.5, 1.5, C).astype(np.float32)
+
+def sentinels(*shapes):
+    return [np.full(s, 7.0, np.float32) for s in shapes]
+
+def untouched(*arrays):
+    return all(bool((a == 7.0).all()) for a in arrays)
+"""
+
+
+@needs_linux
+@pytest.mark.parametrize("relu_dst,headroom_mib", [
+    pytest.param(None, 4, id="dx"),
+    pytest.param("channels-first", 4, id="dx-then-relu_dst"),
+    # room for dx's temporary, not for relu_dst's: the one allocated must be freed, unwritten
+    pytest.param("channels-first", 20, id="relu_dst-after-dx"),
+])
+def test_out_of_memory_for_a_temporary_array_call(tmp_path, relu_dst, headroom_mib):
+    got = isolated(f"""
+    import bnbw_native as bn
+    kw = dict(epsilon=1e-3, num_threads=1)
+    y = None
+    if {relu_dst!r} == "channels-first":       # the forward's output, in another order than x
+        y = np.ascontiguousarray(x.transpose(0, 3, 1, 2)).transpose(0, 2, 3, 1)
+    kw["relu_dst"] = y
+    first, dg, db = sentinels((N, C, H, W), C, C)
+    dx = first.transpose(0, 2, 3, 1)       # channels-first memory seen as NXC: via a temporary
+    same_order = sentinels((N, H, W, C), C, C)
+    y_same_order = None if y is None else np.ascontiguousarray(y)
+    res = {{}}
+    cap_memory({headroom_mib})
+    try:
+        bn.batchnorm_training_backward(x, dy, mean, var, gamma, out=(dx, dg, db), **kw)
+        res["error"] = None
+    except MemoryError as exc:
+        res["error"] = str(exc)
+    res["untouched"] = untouched(dx, dg, db)
+    bn.batchnorm_training_backward(x, dy, mean, var, gamma, out=same_order,
+                                   **dict(kw, relu_dst=y_same_order))
+    uncap_memory()
+    want = bn.batchnorm_training_backward(x, dy, mean, var, gamma, **kw)
+    res["same_order_runs"] = all(np.array_equal(a, b) for a, b in zip(same_order, want))
+    bn.batchnorm_training_backward(x, dy, mean, var, gamma, out=(dx, dg, db), **kw)
+    res["runs_uncapped"] = all(np.array_equal(a, b) for a, b in zip((dx, dg, db), want))
+    print(json.dumps(res))
+    """, tmp_path, env=OOM_ENV, prelude=OOM_PRELUDE)
+    assert got["error"] is not None and "out of memory" in got["error"], got
+    assert got["untouched"], "a call refused for want of memory wrote its outputs"
+    assert got["same_order_runs"], "the cap left no room for the call itself"
+    assert got["runs_uncapped"]
+
+
+DML_OOM = OOM_PRELUDE + """
+import bnbw_native as bn
+from bnbw_native import dml
+nhwc = dml.TensorDesc("float32", (N, C, H, W), strides=(H * W * C, 1, W * C, C))
+nchw = dml.TensorDesc("float32", (N, C, H, W))
+stats = dml.TensorDesc("float32", (1, C, 1, 1))
+
+def operator(out_desc):
+    return dml.BatchNormalizationTrainingGrad(
+        input=nhwc, input_gradient=nhwc, mean=stats, variance=stats, scale=stats,
+        output_gradient=out_desc, output_scale_gradient=stats, output_bias_gradient=stats,
+        epsilon=1e-3)
+"""
+
+
+@needs_linux
+def test_out_of_memory_for_a_temporary_directml_operator(tmp_path):
+    got = isolated("""
+    via_temp, direct = operator(nchw), operator(nhwc)
+    inputs = dict(input=x, input_gradient=dy, mean=mean, variance=var, scale=gamma)
+    dx, dg, db = sentinels((N, C, H, W), C, C)
+    again = sentinels((N, H, W, C), C, C)
+    res = {}
+    cap_memory()
+    try:
+        via_temp.execute(**inputs, output_gradient=dx, output_scale_gradient=dg,
+                         output_bias_gradient=db, num_threads=1)
+        res["error"] = None
+    except MemoryError as exc:
+        res["error"] = str(exc)
+    res["untouched"] = untouched(dx, dg, db)
+    direct.execute(**inputs, output_gradient=again[0], output_scale_gradient=again[1],
+                   output_bias_gradient=again[2], num_threads=1)
+    uncap_memory()
+    want = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3)
+    res["same_order_runs"] = all(np.array_equal(a, b.reshape(a.shape)) for a, b in zip(again, want))
+    via_temp.execute(**inputs, output_gradient=dx, output_scale_gradient=dg,
+                     output_bias_gradient=db, num_threads=1)
+    res["runs_uncapped"] = (np.array_equal(dx.transpose(0, 2, 3, 1), want[0])
+                            and np.array_equal(dg, want[1]) and np.array_equal(db, want[2]))
+    print(json.dumps(res))
+    """, tmp_path, env=OOM_ENV, prelude=DML_OOM)
+    assert got["error"] is not None and "out of memory" in got["error"], got
+    assert got["untouched"], "a call refused for want of memory wrote its outputs"
+    assert got["same_order_runs"], "the cap left no room for the call itself"
+    assert got["runs_uncapped"]
+
+
+@needs_linux
+def test_out_of_memory_for_a_temporary_c_api(tmp_path, capi):
+    got = isolated("""
+    import bnbw_native._capi              # what bnbw_import() loads: before the cap
+    import hostile_capi
+    nhwc = ((N, C, H, W), (H * W * C, 1, W * C, C))
+    nchw = ((N, C, H, W), None)
+    stats = ((1, C, 1, 1), None)
+
+    def run(out_desc, outputs):
+        descs = [nhwc, nhwc, stats, stats, stats, out_desc, stats, stats]
+        arrays = [x, dy, mean, var, gamma, *outputs]
+        addresses = [a.__array_interface__["data"][0] for a in arrays]
+        return hostile_capi.run(2, 1, descs, addresses, 1e-3, 1)
+
+    dx, dg, db = sentinels((N, C, H, W), C, C)
+    again = sentinels((N, H, W, C), C, C)
+    res = {}
+    cap_memory()
+    res["status"], res["message"] = run(nchw, (dx, dg, db))
+    res["untouched"] = untouched(dx, dg, db)
+    res["same_order"] = run(nhwc, again)[0]
+    uncap_memory()
+    want = bnbw_native.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-3)
+    res["same_order_runs"] = all(np.array_equal(a, b) for a, b in zip(again, want))
+    res["uncapped"] = run(nchw, (dx, dg, db))[0]
+    res["runs_uncapped"] = (np.array_equal(dx.transpose(0, 2, 3, 1), want[0])
+                            and np.array_equal(dg, want[1]) and np.array_equal(db, want[2]))
+    print(json.dumps(res))
+    """, tmp_path, capi, env=OOM_ENV, prelude=OOM_PRELUDE)
+    assert got["status"] == "ERROR_OUT_OF_MEMORY", got
+    assert "out of memory" in got["message"]
+    assert got["untouched"], "a call refused for want of memory wrote its outputs"
+    assert got["same_order"] == "OK" and got["same_order_runs"], got
+    assert got["uncapped"] == "OK" and got["runs_uncapped"], got
+
+
+# =============================================================================================
+# 2. ctypes pointer objects are not buffers
+# =============================================================================================
+#
+# A ctypes pointer exports its own 8 bytes through the buffer protocol.  The statistics here
+# are 2 float32 (8 bytes, a pointer's size), so no size check can tell them apart from memory.
+
+POINTER_KINDS = {
+    "c_void_p": lambda addr: ctypes.c_void_p(addr),
+    "POINTER(c_float)": lambda addr: ctypes.cast(addr, ctypes.POINTER(ctypes.c_float)),
+    "c_char_p": lambda addr: ctypes.c_char_p(addr),
+    "CFUNCTYPE": lambda addr: ctypes.CFUNCTYPE(None)(addr),
+}
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("kind", sorted(POINTER_KINDS))
+def test_ctypes_pointer_objects_are_refused_as_buffers(kind, member):
+    op, buffers, want = dml_case(n=3, c=2, w=2)
+    target = buffers[member]
+    pointer = POINTER_KINDS[kind](target.ctypes.data)
+    own_bytes = bytes(memoryview(pointer).cast("B"))
+    target_before = target.copy()
+    bound = dict(buffers, **{member: pointer})
+    with pytest.raises(TypeError, match=rf"^{member}: .*pointer object.*address as an int.*"
+                                        r"ptr\.value"):
+        op.execute(**bound)
+    assert bytes(memoryview(pointer).cast("B")) == own_bytes, "the pointer's own bytes changed"
+    assert np.array_equal(target, target_before, equal_nan=True)
+    assert untouched(*(buffers[m] for m in OUTPUT_MEMBERS))
+    # what the message says to do works: the address as an int
+    op.execute(**dict(buffers, **{member: target.ctypes.data}))
+    for m, w in zip(OUTPUT_MEMBERS, want):
+        assert_close(buffers[m], w, "float32", m)
+
+
+# =============================================================================================
+# 3. Addresses near the top of memory
+# =============================================================================================
+#
+# 2**64 - 8 is aligned for every item size, and every buffer here is longer than 8 bytes: each
+# would run past the end of the address space.  The old overlap check added the size to the
+# address, wrapped, passed, and the kernels then read or wrote there (SIGSEGV).
+
+TOP = 2 ** 64 - 8
+
+DML_PRELUDE = """
+import json
+import numpy as np
+from bnbw_native import dml
+n, c, w = 4, 3, 2
+big, stats = dml.TensorDesc("float32", (n, c, w)), dml.TensorDesc("float32", (1, c, 1))
+op = dml.BatchNormalizationTrainingGrad(
+    input=big, input_gradient=big, mean=stats, variance=stats, scale=stats,
+    output_gradient=big, output_scale_gradient=stats, output_bias_gradient=stats, epsilon=1e-3)
+x = np.linspace(-2, 3, n * c * w, dtype=np.float32).reshape(n, c, w)
+ones = np.ones((1, c, 1), np.float32)
+outputs = [np.full((n, c, w), 7.0, np.float32), np.full((1, c, 1), 7.0, np.float32),
+           np.full((1, c, 1), 7.0, np.float32)]
+buffers = dict(zip(dml.MEMBERS, [x, x.copy(), ones * 0.5, ones, ones, *outputs]))
+"""
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_address_near_the_top_of_memory_is_refused(tmp_path, member):
+    got = isolated(f"""
+    buffers[{member!r}] = {TOP}
+    try:
+        op.execute(**buffers)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    print(json.dumps(dict(error=error, untouched=all(bool((o == 7).all()) for o in outputs))))
+    """, tmp_path, prelude=DML_PRELUDE)
+    assert got["error"] is not None, "an address running past 2**64 was accepted"
+    assert re.match(rf"{member}: .*runs past the end of the address space", got["error"]), got
+    assert got["untouched"]
+
+
+def test_buffers_ending_at_the_top_of_memory_still_meet_the_overlap_check(tmp_path):
+    # mean and output_scale_gradient: 12 bytes each, both ending exactly at 2**64 (their end
+    # wraps to 0 in 64 bits): they overlap, and the call is refused before touching either
+    top = 2 ** 64 - 12
+    got = isolated(f"""
+    buffers.update(mean={top}, output_scale_gradient={top})
+    try:
+        op.execute(**buffers)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    print(json.dumps(dict(error=error, untouched=all(bool((o == 7).all()) for o in outputs))))
+    """, tmp_path, prelude=DML_PRELUDE)
+    assert got["error"] is not None and "output_scale_gradient overlaps" in got["error"], got
+    assert got["untouched"]
+
+
+CAPI_PRELUDE = DML_PRELUDE + """
+import hostile_capi
+descs = [((n, c, w), None)] * 2 + [((1, c, 1), None)] * 3 + [((n, c, w), None)] \
+        + [((1, c, 1), None)] * 2
+addresses = [a.__array_interface__["data"][0] for a in buffers.values()]
+"""
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_address_near_the_top_of_memory_is_refused_c_api(tmp_path, capi, member):
+    got = isolated(f"""
+    addresses[{MEMBERS.index(member)}] = {TOP}
+    status, message = hostile_capi.run(2, 1, descs, addresses, 1e-3, 1)
+    print(json.dumps(dict(status=status, message=message,
+                          untouched=all(bool((o == 7).all()) for o in outputs))))
+    """, tmp_path, capi, prelude=CAPI_PRELUDE)
+    assert got["status"] == "ERROR_ADDRESS", got
+    assert got["message"].startswith(f"{member}: ") and "address space" in got["message"], got
+    assert got["untouched"]
+
+
+def test_c_api_runs_on_these_buffers(tmp_path, capi):
+    # the control of the two tests above: the same buffers at their own addresses give the
+    # reference result through the C caller
+    got = isolated("""
+    status, message = hostile_capi.run(2, 1, descs, addresses, 1e-3, 1)
+    print(json.dumps(dict(status=status, outputs=[o.ravel().tolist() for o in outputs])))
+    """, tmp_path, capi, prelude=CAPI_PRELUDE)
+    assert got["status"] == "OK"
+    n, c, w = 4, 3, 2
+    x = np.linspace(-2, 3, n * c * w, dtype=np.float32).reshape(n, c, w)
+    ones = np.ones((1, c, 1), np.float32)
+    want = reference.backward(x, x, ones * 0.5, ones, ones, epsilon=EPS, reduce_axes=(0, 2))
+    for got_values, ref, what in zip(got["outputs"], want, OUTPUT_MEMBERS):
+        assert_close(np.array(got_values, np.float32).reshape(ref.shape), ref, "float32", what)
