@@ -235,9 +235,12 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
                             "backward_reduce") from None
         if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral):
             raise TypeError(f"count must be an int, got {type(count).__name__}")
+        if count < 0:
+            raise ValueError(f"count must be a non-negative int, the global element count "
+                             f"per channel (at least the local one), got {count}")
         if count >= 2 ** 63:
             raise ValueError(f"count must be below 2**63, got {count}")
-        c.count = count if count >= 0 else -1
+        c.count = count
     n_out = 0
     if r.family == FAMILY_ARRAYS and not reduce_only:
         n_out = 3 if op & OP_PARAMS else 1

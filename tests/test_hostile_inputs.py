@@ -6,6 +6,7 @@
    their own 8 bytes were taken as the buffer.
 3. Buffer addresses near the top of memory: a ValueError (C API: ERROR_ADDRESS) - the overlap
    check wrapped around 2^64 and the kernels ran into unmapped memory.
+6. backward_apply's negative count: the message names the value given.
 
 Every refusal leaves the outputs as they were (each test fills them with a sentinel first).
 Cases that crashed the interpreter run in a fresh one (tests/cext.py's run_python), so a crash
@@ -506,3 +507,21 @@ def test_c_api_runs_on_these_buffers(tmp_path, capi):
     want = reference.backward(x, x, ones * 0.5, ones, ones, epsilon=EPS, reduce_axes=(0, 2))
     for got_values, ref, what in zip(got["outputs"], want, OUTPUT_MEMBERS):
         assert_close(np.array(got_values, np.float32).reshape(ref.shape), ref, "float32", what)
+
+
+# =============================================================================================
+# 6. backward_apply names the count it was given
+# =============================================================================================
+
+@pytest.mark.parametrize("count", [-1, -2, -5, -120, -2 ** 70])
+def test_negative_count_is_named_as_given(count):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((8, 3)).astype(np.float32)
+    dy = rng.standard_normal((8, 3)).astype(np.float32)
+    mean, var, gamma = x.mean(axis=0), x.var(axis=0), np.ones(3, np.float32)
+    partial, _ = bn.backward_reduce(x, dy, mean)
+    out = (np.full_like(x, SENTINEL), np.full(3, SENTINEL, np.float32),
+           np.full(3, SENTINEL, np.float32))
+    with pytest.raises(ValueError, match=rf"^count .*got {count}$"):
+        bn.backward_apply(x, dy, mean, var, gamma, partial, count, epsilon=EPS, out=out)
+    assert untouched(*out)
