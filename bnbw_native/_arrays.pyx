@@ -8,6 +8,13 @@ conveniences; the torch layers through them) call `backward` with their `Convent
     -> allocate the outputs not given -> layout -> bnbw_native._engine
 
 NumPy arrays are read directly; anything else goes through NumPy once (DLPack, buffers, lists).
+
+A torch tensor with the negative bit (`is_neg()`, e.g. the `.imag` of a conjugated complex
+tensor) or the conjugate bit is a lazy view: its memory holds -x (or conj(x)) and DLPack exports
+that memory as it is.  As an input it is resolved first (`resolve_conj()`, `resolve_neg()`: a
+copy); as an output it is refused (outputs are written in place, and writing the raw memory
+would store the negated result).  Recognised by duck typing (the object has `is_neg` and
+`is_conj`), so torch is never imported here.
 """
 import numbers
 
@@ -86,14 +93,31 @@ cdef void _fill(Arg *a, cnp.ndarray arr) except *:
     a.type_name[39] = 0
 
 
+cdef str _lazy_bit(obj):
+    """Which bit makes a torch tensor's memory differ from its values: "negative" (is_neg())
+    or "conjugate" (is_conj()); None for everything else."""
+    is_neg = getattr(obj, "is_neg", None)
+    is_conj = getattr(obj, "is_conj", None)
+    if is_neg is None or is_conj is None:
+        return None
+    if is_neg():
+        return "negative"
+    if is_conj():
+        return "conjugate"
+    return None
+
+
 def as_array(obj, name):
     """An ndarray viewing `obj` (ndarray, DLPack producer, buffer or array interface), without
     a copy where NumPy can avoid one; TypeError naming `name` for anything that is not an
-    array of numbers."""
+    array of numbers.  A torch tensor with the negative or conjugate bit is resolved (a copy):
+    its memory does not hold its values."""
     if isinstance(obj, np.ndarray):
         return obj
     if obj is None or isinstance(obj, (str, bytes, numbers.Number)):
         raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
+    if _lazy_bit(obj) is not None:
+        obj = obj.resolve_conj().resolve_neg()
     try:
         if hasattr(obj, "__dlpack__"):
             return np.from_dlpack(obj)
@@ -127,10 +151,18 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
 
 cdef object _output(object obj, Arg *a, str label):
     """A given output: a NumPy array, or a DLPack producer written in place.  Returns the
-    array that views it."""
+    array that views it.  A torch tensor with the negative or conjugate bit is refused: its
+    memory holds -x (or conj(x)), so results written there would read back wrong."""
     if cnp.PyArray_Check(obj):
         arr = obj
     elif hasattr(obj, "__dlpack__"):
+        bit = _lazy_bit(obj)
+        if bit is not None:
+            method = "is_neg" if bit == "negative" else "is_conj"
+            raise ValueError(f"{label} is a tensor with the {bit} bit set ({method}() is "
+                             "True): its memory does not hold its values, and outputs are "
+                             "written in place; pass a tensor without it (e.g. a new "
+                             "torch.empty_like) and copy the result over")
         try:
             arr = np.from_dlpack(obj)
         except Exception as exc:  # requires grad, a read-only legacy capsule, bf16, GPU

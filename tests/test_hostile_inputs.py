@@ -6,6 +6,8 @@
    their own 8 bytes were taken as the buffer.
 3. Buffer addresses near the top of memory: a ValueError (C API: ERROR_ADDRESS) - the overlap
    check wrapped around 2^64 and the kernels ran into unmapped memory.
+4. torch tensors with the negative bit: inputs are read as their values, outputs with it are
+   refused - their raw memory (holding -x) was computed on.
 6. backward_apply's negative count: the message names the value given.
 
 Every refusal leaves the outputs as they were (each test fills them with a sentinel first).
@@ -507,6 +509,178 @@ def test_c_api_runs_on_these_buffers(tmp_path, capi):
     want = reference.backward(x, x, ones * 0.5, ones, ones, epsilon=EPS, reduce_axes=(0, 2))
     for got_values, ref, what in zip(got["outputs"], want, OUTPUT_MEMBERS):
         assert_close(np.array(got_values, np.float32).reshape(ref.shape), ref, "float32", what)
+
+
+# =============================================================================================
+# Torch tensors: shared data
+# =============================================================================================
+
+def tensors(seed=0, n=6, c=5, h=4, w=3):
+    """x, dy (NCHW float32 tensors) and float32 statistics of x, gamma, beta (length C)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, h, w, generator=g) * 2 + 1
+    dy = torch.randn(n, c, h, w, generator=g)
+    x64 = x.double()
+    mean = x64.mean(dim=(0, 2, 3)).float()
+    var = x64.var(dim=(0, 2, 3), unbiased=False).float()
+    gamma = torch.rand(c, generator=g) + 0.5
+    beta = torch.randn(c, generator=g)
+    return x, dy, mean, var, gamma, beta
+
+
+def values(t):
+    """A tensor's logical values as float64 NumPy (through torch, which resolves every bit)."""
+    return t.detach().resolve_neg().resolve_conj().double().numpy()
+
+
+def ref_ncx(x, dy, mean, var, gamma):
+    return reference.batchnorm_training_backward(values(x), values(dy), values(mean),
+                                                 values(var), values(gamma), epsilon=EPS,
+                                                 data_format="NCX")
+
+
+def dml_ref(x, dy, mean, var, scale, formula):
+    return reference.backward(values(x), values(dy), values(mean), values(var), values(scale),
+                              epsilon=EPS, reduce_axes=(0, 2, 3), formula=formula)
+
+
+def nchw_stats(t):
+    """A length-C tensor in DirectML's (1, C, 1, 1) layout."""
+    return t.reshape(1, -1, 1, 1)
+
+
+# =============================================================================================
+# 4. The negative bit
+# =============================================================================================
+
+def negative_bit(t):
+    """A tensor equal to t whose memory holds -t: the imaginary part of a conjugated complex
+    tensor carries the negative bit."""
+    v = torch.complex(torch.zeros_like(t), -t).conj().imag
+    assert v.is_neg() and torch.equal(v, t)
+    return v
+
+
+@needs_torch
+def test_negative_bit_tensors_hold_the_negation_in_memory():
+    # what makes these tests matter: DLPack exports the raw memory, which holds -x
+    x = tensors()[0]
+    raw = np.from_dlpack(negative_bit(x))
+    assert np.array_equal(raw, -x.numpy())
+    with pytest.raises(RuntimeError, match="negative bit"):
+        negative_bit(x).numpy()           # torch's own NumPy export refuses them
+
+
+def all_negative(*ts):
+    return [negative_bit(t) for t in ts]
+
+
+NEG_FRONT_ENDS = ["onednn_graph", "intel_spec", "ngraph", "two_phase", "dml_grad",
+                  "dml_training_grad"]
+
+
+def call_front_end(name, x, dy, mean, var, gamma, beta, partial=None, out=None):
+    """One front-end on NCX tensors; returns (results, reference of the values)."""
+    if name == "onednn_graph":
+        got = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=EPS,
+                                             data_format="NCX", out=out)
+    elif name == "intel_spec":
+        got = intel_spec.batch_norm_training_backprop(x, dy, mean, var, gamma, epsilon=EPS,
+                                                      data_format="NCX", out=out)
+    elif name == "ngraph":
+        got = ngraph.batch_norm_training_backprop(x, gamma, beta, mean, var, dy, epsilon=EPS,
+                                                  out=out)
+    elif name == "two_phase":
+        if partial is None:
+            partial, _ = bn.backward_reduce(x, dy, mean, data_format="NCX")
+        count = x.shape[0] * x.shape[2] * x.shape[3]
+        got = bn.backward_apply(x, dy, mean, var, gamma, partial, count, epsilon=EPS,
+                                data_format="NCX", out=out)
+    else:
+        f = (dml.batch_normalization_grad if name == "dml_grad"
+             else dml.batch_normalization_training_grad)
+        got = f(x, dy, nchw_stats(mean), nchw_stats(var), nchw_stats(gamma), EPS)
+        want = dml_ref(x, dy, nchw_stats(mean), nchw_stats(var), nchw_stats(gamma),
+                       "frozen" if name == "dml_grad" else "training")
+        return got, want
+    return got, ref_ncx(x, dy, mean, var, gamma)
+
+
+@needs_torch
+@pytest.mark.parametrize("front_end", NEG_FRONT_ENDS)
+def test_negative_bit_inputs_are_read_as_their_values(front_end):
+    x, dy, mean, var, gamma, beta = tensors()
+    # mean is positive: read as raw memory, -mean would move every centred value
+    args = all_negative(x, dy, mean, var, gamma, beta)
+    got, want = call_front_end(front_end, *args)
+    for g, w, what in zip(got, want, ("dx", "dscale", "dbias")):
+        assert_close(g, w, "float32", f"{front_end} {what}")
+
+
+@needs_torch
+def test_negative_bit_partial_sums_are_read_as_their_values():
+    x, dy, mean, var, gamma, beta = tensors()
+    partial, _ = bn.backward_reduce(x, dy, mean, data_format="NCX")
+    got, want = call_front_end("two_phase", x, dy, mean, var, gamma, beta,
+                               partial=negative_bit(torch.from_numpy(partial)))
+    for g, w, what in zip(got, want, ("diff_src", "diff_gamma", "diff_beta")):
+        assert_close(g, w, "float32", what)
+
+
+@needs_torch
+def test_negative_bit_relu_dst_is_read_as_its_values():
+    # the forward's output y: read as raw memory, its sign (and so the mask) would flip
+    x, dy, mean, var, gamma, _ = tensors()
+    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    got = bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=EPS,
+                                         data_format="NCX", relu_dst=negative_bit(y))
+    want = ref_ncx(x, dy * (y > 0), mean, var, gamma)
+    for g, w, what in zip(got, want, ("diff_src", "diff_gamma", "diff_beta")):
+        assert_close(g, w, "float32", what)
+
+
+NEG_OUT_CALLS = {
+    "onednn_graph": (lambda a, out: bn.batchnorm_training_backward(
+        *a[:5], epsilon=EPS, data_format="NCX", out=out), ("diff_src", "diff_gamma", "diff_beta")),
+    "intel_spec": (lambda a, out: intel_spec.batch_norm_training_backprop(
+        *a[:5], epsilon=EPS, data_format="NCX", out=out),
+        ("input_delta", "gamma_delta", "beta_delta")),
+    "ngraph": (lambda a, out: ngraph.batch_norm_training_backprop(
+        a[0], a[4], a[5], a[2], a[3], a[1], epsilon=EPS, out=out),
+        ("input_delta", "gamma_delta", "beta_delta")),
+    "two_phase": (lambda a, out: bn.backward_apply(
+        *a[:5], bn.backward_reduce(a[0], a[1], a[2], data_format="NCX")[0],
+        a[0].numel() // a[0].shape[1], epsilon=EPS, data_format="NCX", out=out),
+        ("diff_src", "diff_gamma", "diff_beta")),
+}
+
+
+@needs_torch
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("front_end", sorted(NEG_OUT_CALLS))
+def test_negative_bit_output_is_refused(front_end, position):
+    args = tensors()
+    x = args[0]
+    call, names = NEG_OUT_CALLS[front_end]
+    out = [torch.full_like(x, SENTINEL), torch.full((x.shape[1],), SENTINEL),
+           torch.full((x.shape[1],), SENTINEL)]
+    out[position] = negative_bit(out[position])
+    with pytest.raises(ValueError, match=rf"out\[{position}\] \({names[position]}\) is a "
+                                         r"tensor with the negative bit set"):
+        call(args, tuple(out))
+    assert all(bool((t == SENTINEL).all()) for t in out), "a refused call wrote an output"
+
+
+@needs_torch
+def test_negative_bit_diff_residual_is_refused():
+    x, dy, mean, var, gamma, _ = tensors()
+    dres = negative_bit(torch.full_like(x, SENTINEL))
+    out = (torch.full_like(x, SENTINEL), torch.full((5,), SENTINEL), torch.full((5,), SENTINEL))
+    with pytest.raises(ValueError, match=r"diff_residual is a tensor with the negative bit"):
+        bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=EPS, data_format="NCX",
+                                       relu_dst=x, diff_residual=dres, out=out)
+    assert bool((dres == SENTINEL).all())
+    assert all(bool((t == SENTINEL).all()) for t in out)
 
 
 # =============================================================================================
