@@ -117,14 +117,6 @@ def test_gradient_carrying_tensor_is_refused_as_input():
                                        data_format="NCX")
 
 
-def test_bfloat16_tensor_is_refused_with_a_type_error():
-    # NumPy has no bfloat16 for DLPack to map to
-    x, dy, mean, var, gamma = batch()
-    with pytest.raises(TypeError, match="src"):
-        bn.batchnorm_training_backward(x.bfloat16(), dy.bfloat16(), mean, var, gamma,
-                                       epsilon=EPS, data_format="NCX")
-
-
 # ---- outputs --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCX", "NXC"])

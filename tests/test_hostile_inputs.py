@@ -8,6 +8,8 @@
    check wrapped around 2^64 and the kernels ran into unmapped memory.
 4. torch tensors with the negative bit: inputs are read as their values, outputs with it are
    refused - their raw memory (holding -x) was computed on.
+5. bfloat16 torch tensors: accepted by every array front-end, as inputs and as `out=` written in
+   place - they were refused.
 6. backward_apply's negative count: the message names the value given.
 
 Every refusal leaves the outputs as they were (each test fills them with a sentinel first).
@@ -681,6 +683,154 @@ def test_negative_bit_diff_residual_is_refused():
                                        relu_dst=x, diff_residual=dres, out=out)
     assert bool((dres == SENTINEL).all())
     assert all(bool((t == SENTINEL).all()) for t in out)
+
+
+# =============================================================================================
+# 5. bfloat16 torch tensors
+# =============================================================================================
+
+def address(a):
+    return a.data_ptr() if torch is not None and isinstance(a, torch.Tensor) \
+        else a.__array_interface__["data"][0]
+
+
+def bf16_case(stats_bf16):
+    """x, dy bfloat16; statistics, gamma, beta bfloat16 or float32."""
+    x, dy, mean, var, gamma, beta = tensors(seed=3)
+    stats = (mean, var, gamma, beta)
+    if stats_bf16:
+        stats = tuple(t.bfloat16() for t in stats)
+    return (x.bfloat16(), dy.bfloat16(), *stats)
+
+
+# (front-end, statistics in bfloat16): what each convention's dtype rule allows
+BF16_CASES = [("onednn_graph", False), ("onednn_graph", True), ("intel_spec", False),
+              ("intel_spec", True), ("ngraph", True), ("two_phase", False),
+              ("dml_grad", True), ("dml_training_grad", True)]
+
+
+@needs_torch
+@needs_bf16
+@pytest.mark.parametrize("front_end,stats_bf16", BF16_CASES)
+def test_bfloat16_tensors_are_accepted(front_end, stats_bf16):
+    args = bf16_case(stats_bf16)
+    got, want = call_front_end(front_end, *args)
+    stat_type = "bfloat16" if stats_bf16 else "float32"
+    for g, w, t, what in zip(got, want, ("bfloat16", stat_type, stat_type),
+                             ("dx", "dscale", "dbias")):
+        assert g.dtype == np.dtype(t if t == "float32" else BF16), what
+        assert_close(g, w, t, f"{front_end} {what}")
+
+
+@needs_torch
+@needs_bf16
+def test_bfloat16_tensor_inputs_are_viewed_not_copied():
+    from bnbw_native import _arrays
+    t = torch.randn(6, 5, 4).bfloat16().transpose(0, 2)
+    arr = _arrays.as_array(t, "src")
+    assert arr.dtype == BF16 and address(arr) == t.data_ptr()
+    assert arr.strides == tuple(2 * s for s in t.stride())
+    assert np.array_equal(arr.astype(np.float32), t.float().numpy())
+
+
+@needs_torch
+@needs_bf16
+@pytest.mark.parametrize("front_end,stats_bf16", [c for c in BF16_CASES if c[0] in NEG_OUT_CALLS])
+def test_bfloat16_out_tensors_are_written_in_place(front_end, stats_bf16):
+    args = bf16_case(stats_bf16)
+    x, gamma = args[0], args[4]
+    call, _ = NEG_OUT_CALLS[front_end]
+    out = (torch.full_like(x, SENTINEL), torch.full((x.shape[1],), SENTINEL, dtype=gamma.dtype),
+           torch.full((x.shape[1],), SENTINEL, dtype=gamma.dtype))
+    pointers = [t.data_ptr() for t in out]
+    got = call(args, out)
+    _, want = call_front_end(front_end, *args)
+    stat_type = "bfloat16" if stats_bf16 else "float32"
+    for result, tensor, ptr, w, t in zip(got, out, pointers, want,
+                                         ("bfloat16", stat_type, stat_type)):
+        assert tensor.data_ptr() == ptr and address(result) == ptr   # written in place
+        assert_close(tensor.float().numpy().astype(np.float32 if t == "float32" else BF16),
+                     w, t)
+
+
+@needs_torch
+@needs_bf16
+def test_bfloat16_out_may_be_the_gradient_itself():
+    x, dy, mean, var, gamma, _ = bf16_case(False)
+    want = ref_ncx(x, dy, mean, var, gamma)
+    ptr = dy.data_ptr()
+    bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=EPS, data_format="NCX",
+                                   out=(dy, torch.empty(5), torch.empty(5)))
+    assert dy.data_ptr() == ptr
+    assert_close(dy.float().numpy().astype(BF16), want[0], "bfloat16", "dx over dy")
+
+
+class LegacyProducer:
+    """A DLPack producer from before DLPack 1.0: `__dlpack__` takes no max_version and hands a
+    "dltensor" capsule."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        return self.tensor.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+@needs_torch
+@needs_bf16
+def test_bfloat16_from_a_legacy_producer():
+    x, dy, mean, var, gamma, _ = bf16_case(False)
+    got = bn.batchnorm_training_backward(LegacyProducer(x), LegacyProducer(dy), mean, var, gamma,
+                                         epsilon=EPS, data_format="NCX")
+    want = ref_ncx(x, dy, mean, var, gamma)
+    for g, w, t in zip(got, want, ("bfloat16", "float32", "float32")):
+        assert_close(g, w, t)
+    # a legacy capsule cannot say it is writable: NumPy views it read-only, so as an output it
+    # is refused as every dtype's is (test_dlpack.py), and nothing is written
+    dx = torch.full_like(x, SENTINEL)
+    with pytest.raises(ValueError, match=r"out\[0\] \(diff_src\) is read-only"):
+        bn.batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=EPS, data_format="NCX",
+                                       out=(LegacyProducer(dx), torch.empty(5), torch.empty(5)))
+    assert bool((dx == SENTINEL).all())
+
+
+@needs_torch
+def test_bfloat16_without_ml_dtypes_says_to_install_it(tmp_path):
+    got = isolated("""
+    import importlib.abc, json, sys
+
+    class NoMlDtypes(importlib.abc.MetaPathFinder):       # as if ml_dtypes were not installed
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] == "ml_dtypes":
+                raise ImportError("No module named 'ml_dtypes'", name=name)
+
+    sys.meta_path.insert(0, NoMlDtypes())
+    import torch
+    import bnbw_native as bn
+    x = torch.randn(4, 3, 2)
+    mean, var = x.mean(dim=(0, 2)), x.var(dim=(0, 2), unbiased=False)
+    res = {}
+    try:
+        bn.batchnorm_training_backward(x.bfloat16(), x.bfloat16(), mean, var, epsilon=1e-3,
+                                       data_format="NCX")
+    except TypeError as exc:
+        res["input"] = str(exc)
+    out = (torch.full((4, 3, 2), 7.0, dtype=torch.bfloat16), torch.full((3,), 7.0),
+           torch.full((3,), 7.0))
+    try:
+        bn.batchnorm_training_backward(x, x, mean, var, epsilon=1e-3, data_format="NCX", out=out)
+    except TypeError as exc:
+        res["output"] = str(exc)
+    res["untouched"] = all(bool((t == 7).all()) for t in out)
+    print(json.dumps(res))
+    """, tmp_path)
+    assert re.match(r"src is a bfloat16 tensor.*install.*ml_dtypes", got.get("input", "")), got
+    assert re.match(r"out\[0\] \(diff_src\) is a bfloat16 tensor.*install.*ml_dtypes",
+                    got.get("output", "")), got
+    assert got["untouched"]
 
 
 # =============================================================================================
