@@ -449,11 +449,11 @@ def tensor_sizes(spec):
 
 cdef str _pointer_object(Py_buffer *view):
     """Why a buffer is not raw memory but a ctypes pointer object, or None: ctypes pointers
-    export their own 8 bytes (formats "<P", "&<f", "<z")."""
+    export their own 8 bytes (formats "<P", "&<f", "<z"; "X{}" for function pointers)."""
     if view.format == NULL:
         return None
     fmt = view.format.decode("ascii", "replace").lstrip("@=<>!")
-    if fmt.startswith("&") or fmt in ("P", "z", "Z", "O"):
+    if fmt.startswith(("&", "X")) or fmt in ("P", "z", "Z", "O"):
         return fmt
     return None
 

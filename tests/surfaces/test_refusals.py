@@ -18,7 +18,10 @@ changed.  A case lives in one table and runs on every surface it applies to:
 * `bnbw_native.reference` (minimal validation, still named), `show_config`
 
 Elsewhere, because they are not Python refusals of this kind: the C API's statuses and NULL
-pointers (surfaces/test_capi.py, surfaces/capi/example.c "errors"), the private row converters
+pointers (surfaces/test_capi.py, surfaces/capi/example.c "errors"), what a hostile caller
+found that could crash or corrupt (surfaces/test_hostile_inputs.py: out of memory, pointer
+objects, addresses at the top of memory, negative-bit tensors - each run where a crash cannot
+take pytest down), the private row converters
 of `_half` (surfaces/test_half.py), a missing torch.distributed group or MPI engine
 (surfaces/test_distributed.py), double backward (surfaces/test_torch_compile.py), and the
 brute-force check that DirectML refuses exactly the self-overlapping output layouts
@@ -699,9 +702,8 @@ DLPACK_CASES = {
     # id: (spoil(kwargs, torch), error, message regex)
     "input-carrying-a-gradient": (lambda k, t: k.update(src=k["src"].requires_grad_()),
                                   TypeError, named("src")),
-    "input-bfloat16-tensor": (lambda k, t: k.update(src=k["src"].bfloat16(),
-                                                   diff_dst=k["diff_dst"].bfloat16()),
-                              TypeError, named("src")),
+    "input-bfloat16-beside-float32": (lambda k, t: k.update(diff_dst=k["diff_dst"].bfloat16()),
+                                      TypeError, named("diff_dst")),
     "out-read-only-producer": (lambda k, t: k.update(out=(k["out"][0], Producer(_frozen(5)),
                                                           k["out"][2])),
                                ValueError, r"out\[1\].*read-only"),
@@ -717,8 +719,8 @@ DLPACK_CASES = {
 
 @pytest.mark.parametrize("case", sorted(DLPACK_CASES))
 def test_dlpack_refusal(torch, case):
-    """Gradient-carrying and bfloat16 tensors are no inputs (NumPy has no bfloat16 for DLPack to
-    map to); read-only producers (a DLPack 0.x capsule cannot say read-only: NumPy refuses to
+    """Gradient-carrying tensors are no inputs, and a bfloat16 tensor beside float32 ones breaks
+    the dtype rule as an array would; read-only producers (a DLPack 0.x capsule cannot say read-only: NumPy refuses to
     export it), gradient-carrying tensors and expanded tensors (all rows share one row of
     memory) are no outputs.  Nothing is written to the outputs given."""
     kwargs = _tensor_batch(torch)
