@@ -1,6 +1,7 @@
 """The bandwidth probe: STREAM-like loops (bench/stream.c, built at first use, called through
-ctypes) with the traffic patterns of the backward's passes, run on buffers of a case's own byte
-size and thread count, so that every row has a roofline measured in the same run."""
+ctypes) with the traffic patterns of the backward's and the forward's passes, run on buffers of a
+case's own byte size and thread count, so that every row has a roofline measured in the same
+run."""
 import ctypes
 import hashlib
 import os
@@ -15,14 +16,17 @@ from timing import measure
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Bytes per f32 element each pattern moves.
-PROBE_BYTES_PER_ELEMENT = {"reduce": 8, "apply": 12, "training": 20, "scale": 8, "copy": 8}
+PROBE_BYTES_PER_ELEMENT = {"reduce": 8, "apply": 12, "training": 20, "scale": 8, "copy": 8,
+                           "forward": 12}
 
 
 class Probe:
     """STREAM-like kernels over float32 buffers, called through ctypes.
 
     `reduce` reads 2 arrays, `apply` reads 2 and writes 1, `training` is reduce then apply
-    (the two passes of the training backward), `scale` and `copy` read 1 and write 1."""
+    (the two passes of the training backward), `scale` and `copy` read 1 and write 1,
+    `forward` reads 1, then reads it again and writes 1 (the training forward's statistics
+    pass, then its normalisation)."""
 
     def __init__(self, build_dir=None):
         self.lib = None
@@ -42,6 +46,8 @@ class Probe:
             self.lib.bw_training.restype = ctypes.c_double
             self.lib.bw_scale.argtypes = [p, p, n, ctypes.c_float, ctypes.c_int]
             self.lib.bw_copy.argtypes = [p, p, n, ctypes.c_int]
+            self.lib.bw_forward.argtypes = [p, p, n, ctypes.c_int]
+            self.lib.bw_forward.restype = ctypes.c_double
         self.kind = "C/OpenMP (bench/stream.c)" if self.lib is not None else "NumPy fallback"
 
     @staticmethod
@@ -93,6 +99,8 @@ class Probe:
             return lambda: lib.bw_scale(pa, pc, n, 0.5, nthreads)
         if pattern == "copy":
             return lambda: lib.bw_copy(pa, pc, n, nthreads)
+        if pattern == "forward":
+            return lambda: lib.bw_forward(pa, pc, n, nthreads)
         raise ValueError(pattern)
 
     @staticmethod
@@ -104,9 +112,13 @@ class Probe:
             np.multiply(a, np.float32(0.5), out=c)
             np.add(c, b, out=c)
 
+        def forward():
+            total = float(a.sum())
+            np.multiply(a, np.float32(0.5 + 0 * total), out=c)
+
         if pattern == "training":
             return lambda: (reduce(), apply())
-        return {"reduce": reduce, "apply": apply,
+        return {"forward": forward,"reduce": reduce, "apply": apply,
                 "scale": lambda: np.multiply(a, np.float32(0.5), out=c),
                 "frozen": lambda: np.multiply(a, np.float32(0.5), out=c),
                 "copy": lambda: np.copyto(c, a)}[pattern]
@@ -114,7 +126,7 @@ class Probe:
 
 def bandwidth_table(probe, threads, protocol, quick):
     """GB/s of each probe pattern per thread count for an L2-, an L3- and a DRAM-sized
-    array (per-array sizes; 3 arrays are touched by reduce+apply)."""
+    array (per-array sizes; 3 arrays are touched by reduce+apply, 2 by forward)."""
     sizes = {"L2": 128 << 10, "L3": 4 << 20, "DRAM": (32 if quick else 128) << 20}
     table = []
     for cls, nbytes in sizes.items():

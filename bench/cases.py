@@ -1,12 +1,15 @@
 """The cases: named shapes (bench/shapes.py) x memory layouts x storage dtypes x formulas, the
 data each case runs on, and the traffic model that gives a case its bytes.
 
-Formulas (each a call of ``batchnorm_training_backward``):
+Formulas of ``batchnorm_training_backward``:
     training    num_outputs=3
     frozen      num_outputs=1 (dx = dy / sqrt(var + eps), gamma ignored)
     relu        num_outputs=3 with relu_dst = the forward's output y = max(bn(x), 0), stored in
                 the dtype of x (a batch norm followed by ReLU)
     relu-mask   the same with relu_dst = (y > 0) as a bool array
+and of ``batchnorm_training_forward`` (all five outputs, momentum MOMENTUM):
+    forward       y = gamma * (x - batch_mean) / sqrt(batch_variance + eps) + beta
+    forward-relu  the same with fuse_relu=True (a batch norm followed by ReLU)
 """
 import zlib
 
@@ -20,11 +23,20 @@ except ImportError:      # bf16 rows are skipped with a note
     ml_dtypes = None
 
 EPSILON = 1e-5
+# The forward's momentum, oneDNN Graph's: the weight of the OLD running statistics (torch's
+# BatchNorm2d default, 0.1, weighs the new ones: the same update as ours with 0.9).
+MOMENTUM = 0.9
 LAYOUTS = ("NCX", "NXC", "strided")
-FORMULAS = ("training", "frozen", "relu", "relu-mask")
+FORMULAS = ("training", "frozen", "relu", "relu-mask", "forward", "forward-relu")
 DEFAULT_FORMULAS = ("training", "frozen")
-RELU_FORMULAS = ("relu", "relu-mask")
-NUM_OUTPUTS = {"training": 3, "frozen": 1, "relu": 3, "relu-mask": 3}
+RELU_FORMULAS = ("relu", "relu-mask")              # the backward's fused ReLU
+FORWARD_FORMULAS = ("forward", "forward-relu")     # batchnorm_training_forward
+NUM_OUTPUTS = {"training": 3, "frozen": 1, "relu": 3, "relu-mask": 3, "forward": 5,
+               "forward-relu": 5}
+# What each row's `err` list holds, in order (the forward's result order).
+OUTPUT_NAMES = {"backward": ("diff_src", "diff_gamma", "diff_beta"),
+                "forward": ("dst", "running_mean", "running_variance", "batch_mean",
+                            "batch_variance")}
 
 DTYPES = {"f32": np.float32, "f16": np.float16}
 if ml_dtypes is not None:
@@ -34,14 +46,20 @@ DTYPE_KEYS = ("f32", "f16", "bf16")
 # Traffic model, two-pass schedule: how many times a tensor of the storage dtype crosses the
 # memory interface per element (PASSES), plus one-byte mask passes (MASK_PASSES).  training:
 # the reduce reads x, dy, the apply reads x, dy and writes dx; relu adds y to both reads.
-PASSES = {"training": 5, "frozen": 2, "relu": 7, "relu-mask": 5}
-MASK_PASSES = {"training": 0, "frozen": 0, "relu": 0, "relu-mask": 2}
-TENSORS = {"training": 3, "frozen": 2, "relu": 4, "relu-mask": 3}   # cache footprint
-MASK_TENSORS = {"training": 0, "frozen": 0, "relu": 0, "relu-mask": 1}
+# forward (the two-read model): the statistics pass reads x, the normalisation reads x again
+# and writes y; the fused ReLU is applied in that same pass.
+PASSES = {"training": 5, "frozen": 2, "relu": 7, "relu-mask": 5, "forward": 3,
+          "forward-relu": 3}
+MASK_PASSES = {"training": 0, "frozen": 0, "relu": 0, "relu-mask": 2, "forward": 0,
+               "forward-relu": 0}
+TENSORS = {"training": 3, "frozen": 2, "relu": 4, "relu-mask": 3, "forward": 2,
+           "forward-relu": 2}                                     # cache footprint
+MASK_TENSORS = {"training": 0, "frozen": 0, "relu": 0, "relu-mask": 1, "forward": 0,
+                "forward-relu": 0}
 STRIDE_FACTOR = {"NCX": 1, "NXC": 1, "strided": 2}
 # The probe pattern that stands for each formula (bench/stream.c).
 PROBE_PATTERN = {"training": "training", "frozen": "scale", "relu": "training",
-                 "relu-mask": "training"}
+                 "relu-mask": "training", "forward": "forward", "forward-relu": "forward"}
 
 
 def traffic(formula, layout, itemsize, elements):
@@ -78,7 +96,9 @@ def seed_of(name, dtype_key):
 def make_problem(name, shape, dtype_key, relu=False):
     """Logical NCX inputs (rounded to the storage dtype) and f32 statistics computed from
     them in f64, as a training forward would have saved them.  With `relu`, also the forward's
-    output y = max(gamma * (x - mean) / sqrt(var + eps) + beta, 0) in the storage dtype."""
+    output y = max(gamma * (x - mean) / sqrt(var + eps) + beta, 0) in the storage dtype.
+    For the forward: "run_mean" and "run_var", the previous running statistics it is given
+    (near the batch's, as after some steps of training)."""
     dtype = DTYPES[dtype_key]
     rng = np.random.default_rng(seed_of(name, dtype_key))
     C = shape[1]
@@ -107,6 +127,9 @@ def make_problem(name, shape, dtype_key, relu=False):
         "beta": (0.5 * rng.standard_normal(C)).astype(np.float32),
         "dy_absmax": float(np.abs(dy).max()) if dy.size else 0.0,
     }
+    # drawn after everything above, so the backward's data is what it was before they existed
+    problem["run_mean"] = (mean64 + 0.1 * rng.standard_normal(C)).astype(np.float32)
+    problem["run_var"] = (var64 * rng.uniform(0.5, 1.5, C)).astype(np.float32)
     if relu:
         r = (1 / np.sqrt(problem["var"] + np.float32(EPSILON))).astype(np.float32)
         y = x.astype(np.float32)

@@ -7,8 +7,10 @@ from cases import EPSILON
 
 # Largest accepted error (see `relative_error`) of ours against the float64 reference:
 # f32 arithmetic with f64 sums, then one rounding to the storage type.  A wrong formula or a
-# wrong element is off by O(1).
-TOLERANCE = {  # dtype: (dx, diff_gamma / diff_beta, which are f32 for every T1 here)
+# wrong element is off by O(1).  The forward's rows use the same pairs: dst (one rounding to
+# the storage type after an f32 multiply-add) like dx, its four statistics (f32, within an ulp
+# of the f64 values by the contract) like diff_gamma and diff_beta.
+TOLERANCE = {  # dtype: (dx or dst, the per-channel outputs, which are f32 for every T1 here)
     "f32": (2e-5, 2e-5),
     "f16": (2e-3, 2e-5),
     "bf16": (1.6e-2, 2e-5),
@@ -74,15 +76,31 @@ def errors(result, ref, scales, problem, num_outputs):
     return out
 
 
+def forward_errors(result, ref, scales):
+    """Relative errors of a forward `result` (dst, running_mean, running_variance, batch_mean,
+    batch_variance; None for an output the implementation does not give) against the float64
+    `ref`, whose max |.| per output are `scales`: dst and the means against their largest
+    value, the variances against max(their largest value, epsilon), since a variance only acts
+    through var + epsilon (a channel of one element has variance 0: an implementation that
+    keeps 1/sqrt(var + eps) gives it back as a few ulps of eps).  None where `result` has
+    None."""
+    floors = (0.0, 0.0, EPSILON, 0.0, EPSILON)
+    return [None if got is None else relative_error(got, want, floor, scale)
+            for got, want, floor, scale in zip(result, ref, floors, scales)]
+
+
 def within(errs, dtype_key, slack=1.0):
+    """Whether errors (first: dx or dst; then per-channel outputs, None = not given) are within
+    `slack` x our tolerance."""
     tol_dx, tol_p = TOLERANCE[dtype_key]
-    return errs[0] <= tol_dx * slack and max(errs[1:]) <= tol_p * slack
+    rest = [e for e in errs[1:] if e is not None]
+    return errs[0] <= tol_dx * slack and all(e <= tol_p * slack for e in rest)
 
 
 def peer_verdict(name, errs, dtype_key, where):
     """None when a peer's errors are within PEER_SLACK x our tolerance, else a note for its
     row; raises CheckFailed beyond SEMANTICS_LIMIT (the peer was not asked what ours was)."""
-    worst = max(errs)
+    worst = max(e for e in errs if e is not None)
     if not worst <= SEMANTICS_LIMIT:
         raise CheckFailed(f"{name} differs from the reference by {worst:.2g} on {where}: the "
                           f"arguments passed to {name} do not mean what ours do")

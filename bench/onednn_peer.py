@@ -1,4 +1,5 @@
-"""oneDNN's batch-normalization backward as a benchmark peer, through its C API with ctypes.
+"""oneDNN's batch normalization, backward and training forward, as a benchmark peer, through
+its C API with ctypes.
 
 Optional: the shared library comes from the `onednn-cpu-gomp` wheel (GNU OpenMP, the runtime
 bnbw_native uses, so `threadpoolctl` and `omp_set_num_threads` set both thread counts).  No
@@ -13,6 +14,8 @@ arrays' own strides, so oneDNN reads and writes the very arrays the other implem
     call = lib.backward(x, dy, mean, var, gamma, out, epsilon=1e-5, data_format="NCX",
                         formula="training")
     call()                             # one execution; call.impl names the implementation
+    call = lib.forward(x, gamma, beta, (y, mean, var), epsilon=1e-5, data_format="NXC",
+                       relu=False)     # forward_training: y and the batch statistics
 """
 import ctypes
 import ctypes.util
@@ -246,30 +249,24 @@ class OneDNN:
                         data_format=data_format, formula=formula, relu_dst=relu_dst,
                         beta=beta)
 
+    def forward(self, x, gamma, beta, out, *, epsilon, data_format, relu=False):
+        """A callable running oneDNN's training forward on these very arrays (see Forward);
+        create it under the thread count it will run with."""
+        return Forward(self, x, gamma, beta, out, epsilon=epsilon, data_format=data_format,
+                       relu=relu)
 
-class Backward:
-    """oneDNN's batch-normalization backward bound to NumPy arrays.
 
-    formula "training": prop kind backward, flags use_scale | use_shift: dx, d(scale) and
-    d(shift) into out = (dx, dgamma, dbeta).  "frozen": prop kind backward_data with global
-    statistics and no scale, dx = dy / sqrt(var + eps), as ours with num_outputs=1.
-    relu_dst=True: flag fuse_norm_relu as well; the workspace (oneDNN's record of which outputs
-    were positive) comes from one forward training pass run here, with the same statistics as
-    global ones.  `relu_y` then holds that forward's output, for checking the mask.
+class Bound:
+    """A oneDNN primitive bound to NumPy arrays: memory descriptors from the arrays' strides,
+    memory objects over their buffers, one execution per call.  Subclasses build `prim`,
+    `args` and `nargs` in `_build`."""
 
-    x, dy, dx are in the layout of `data_format` (channel at axis 1 for NCX, last for NXC);
-    their strides become the memory descriptors, so no copy is made.
-    """
-
-    def __init__(self, dnnl, x, dy, mean, var, gamma, out, *, epsilon, data_format, formula,
-                 relu_dst=None, beta=None):
+    def __init__(self, dnnl, keep, build):
         self.dnnl, self.lib = dnnl, dnnl.lib
         self._owned = []            # (destroy function, handle), destroyed in reverse
-        self.keep = [x, dy, mean, var, gamma, *out]
-        self.relu_y = None
+        self.keep = list(keep)
         try:
-            self._build(x, dy, mean, var, gamma, out, float(epsilon), data_format, formula,
-                        relu_dst, beta)
+            build()
         except BaseException:
             self.close()
             raise
@@ -305,27 +302,144 @@ class Backward:
                         self.lib.dnnl_primitive_create(ctypes.byref(prim), pd))
         return self._own(self.lib.dnnl_primitive_destroy, prim)
 
+    def _impl(self, pd):
+        """The implementation oneDNN chose for primitive descriptor `pd`."""
+        info = ctypes.c_char_p()
+        self.dnnl.check("query impl_info_str", self.lib.dnnl_primitive_desc_query(
+            pd, dnnl_query_impl_info_str, 0, ctypes.byref(info)))
+        return info.value.decode()
+
+    def _workspace(self, pd):
+        """A zeroed workspace array for primitive descriptor `pd`, and its memory object."""
+        ws_md = self.lib.dnnl_primitive_desc_query_md(pd, dnnl_query_workspace_md, 0)
+        if not ws_md:
+            raise OneDNNError("query workspace_md", -1)
+        workspace = np.zeros(self.lib.dnnl_memory_desc_get_size(ws_md), np.uint8)
+        self.keep.append(workspace)
+        return workspace, self._memory(ws_md, workspace)
+
     @staticmethod
     def _args(pairs):
         return (ExecArg * len(pairs))(*[ExecArg(k, v) for k, v in pairs]), len(pairs)
 
+    def _ready(self, pd, args):
+        self.prim = self._primitive(pd)
+        self.args, self.nargs = self._args(args)
+        self._execute = self.lib.dnnl_primitive_execute
+        self._wait = self.lib.dnnl_stream_wait
+
+    def __call__(self):
+        status = self._execute(self.prim, self.dnnl.stream, self.nargs, self.args)
+        if status == dnnl_success:
+            status = self._wait(self.dnnl.stream)
+        if status != dnnl_success:
+            raise OneDNNError("execute", status)
+
+    def close(self):
+        while self._owned:
+            destroy, handle = self._owned.pop()
+            destroy(handle)
+        self.keep = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:        # interpreter shutdown: the library may be gone already
+            pass
+
+
+def check_stats(C, *arrays):
+    stat = np.dtype(np.float32)
+    if any(a.dtype != stat or a.shape != (C,) for a in arrays):
+        raise TypeError("oneDNN peer: statistics must be float32 of shape (C,)")
+
+
+def relu_on_dense(x):
+    """fuse_norm_relu only on a tensor without gaps: oneDNN 3.2 accepts it on a strided one
+    (its reference implementation), then indexes the workspace, sized for a dense tensor, with
+    the strides of x: out of bounds."""
+    if not dense(x):
+        raise Unsupported("fuse_norm_relu", why="fuse_norm_relu on a tensor with gaps")
+
+
+class Forward(Bound):
+    """oneDNN's batch-normalization training forward bound to NumPy arrays.
+
+    Prop kind forward_training, flags use_scale | use_shift (+ fuse_norm_relu with `relu`,
+    whose workspace, oneDNN's record of the positive outputs, is allocated here once): y into
+    out[0], the batch mean and the biased batch variance into out[1] and out[2] (outputs: no
+    use_global_stats).  oneDNN keeps no running statistics.  x and y are in the layout of
+    `data_format`; their strides become the memory descriptors, so no copy is made."""
+
+    def __init__(self, dnnl, x, gamma, beta, out, *, epsilon, data_format, relu=False):
+        super().__init__(dnnl, [x, gamma, beta, *out], lambda: self._build(
+            x, gamma, beta, out, float(epsilon), data_format, relu))
+
+    def _build(self, x, gamma, beta, out, eps, data_format, relu):
+        lib = self.lib
+        y, mean, var = out
+        C = mean.shape[0]
+        check_stats(C, mean, var)
+        scale = np.ones(C, np.float32) if gamma is None else gamma
+        shift = np.zeros(C, np.float32) if beta is None else beta
+        check_stats(C, scale, shift)
+        self.keep += [scale, shift]
+        flags = dnnl_use_scale | dnnl_use_shift
+        if relu:
+            relu_on_dense(x)
+            flags |= dnnl_fuse_norm_relu
+        src_md, dst_md = self._md(x, data_format), self._md(y, data_format)
+        pd = ctypes.c_void_p()
+        self.dnnl.check("batch_normalization_forward_primitive_desc_create",
+                        lib.dnnl_batch_normalization_forward_primitive_desc_create(
+                            ctypes.byref(pd), self.dnnl.engine, dnnl_forward_training, src_md,
+                            dst_md, ctypes.c_float(eps), flags, None))
+        self._own(lib.dnnl_primitive_desc_destroy, pd)
+        self.impl = self._impl(pd)
+        vec_md = self._md(np.empty(C, np.float32), "NCX")
+        args = [(DNNL_ARG_SRC, self._memory(src_md, x)),
+                (DNNL_ARG_DST, self._memory(dst_md, y)),
+                (DNNL_ARG_MEAN, self._memory(vec_md, mean)),
+                (DNNL_ARG_VARIANCE, self._memory(vec_md, var)),
+                (DNNL_ARG_SCALE, self._memory(vec_md, scale)),
+                (DNNL_ARG_SHIFT, self._memory(vec_md, shift))]
+        if relu:
+            args.append((DNNL_ARG_WORKSPACE, self._workspace(pd)[1]))
+        self._ready(pd, args)
+
+
+class Backward(Bound):
+    """oneDNN's batch-normalization backward bound to NumPy arrays.
+
+    formula "training": prop kind backward, flags use_scale | use_shift: dx, d(scale) and
+    d(shift) into out = (dx, dgamma, dbeta).  "frozen": prop kind backward_data with global
+    statistics and no scale, dx = dy / sqrt(var + eps), as ours with num_outputs=1.
+    relu_dst=True: flag fuse_norm_relu as well; the workspace (oneDNN's record of which outputs
+    were positive) comes from one forward training pass run here, with the same statistics as
+    global ones.  `relu_y` then holds that forward's output, for checking the mask.
+
+    x, dy, dx are in the layout of `data_format` (channel at axis 1 for NCX, last for NXC);
+    their strides become the memory descriptors, so no copy is made.
+    """
+
+    def __init__(self, dnnl, x, dy, mean, var, gamma, out, *, epsilon, data_format, formula,
+                 relu_dst=None, beta=None):
+        self.relu_y = None
+        super().__init__(dnnl, [x, dy, mean, var, gamma, *out], lambda: self._build(
+            x, dy, mean, var, gamma, out, float(epsilon), data_format, formula, relu_dst, beta))
+
     def _build(self, x, dy, mean, var, gamma, out, eps, data_format, formula, relu_dst, beta):
         lib, check = self.lib, self.dnnl.check
         C = mean.shape[0]
-        stat = np.dtype(np.float32)
-        if any(a.dtype != stat or a.shape != (C,) for a in (mean, var)):
-            raise TypeError("oneDNN peer: statistics must be float32 of shape (C,)")
+        check_stats(C, mean, var)
         src_md = self._md(x, data_format)
         diff_dst_md = self._md(dy, data_format)
         diff_src_md = self._md(out[0], data_format)
         training = formula == "training"
         flags = dnnl_use_scale | dnnl_use_shift if training else dnnl_use_global_stats
         if relu_dst:
+            relu_on_dense(x)
             flags |= dnnl_fuse_norm_relu
-            if not dense(x):
-                # oneDNN 3.2 accepts it (its reference implementation), then indexes the
-                # workspace, sized for a dense tensor, with the strides of x: out of bounds.
-                raise Unsupported("fuse_norm_relu", why="fuse_norm_relu on a tensor with gaps")
 
         # The forward hint (and, for ReLU, the forward that makes the workspace).  With global
         # statistics it normalises with the very mean and variance the backward is given.
@@ -346,10 +460,7 @@ class Backward:
                   dnnl_backward if training else dnnl_backward_data, diff_src_md,
                   diff_dst_md, src_md, ctypes.c_float(eps), flags, fwd_pd, None))
         self._own(lib.dnnl_primitive_desc_destroy, pd)
-        info = ctypes.c_char_p()
-        check("query impl_info_str", lib.dnnl_primitive_desc_query(
-            pd, dnnl_query_impl_info_str, 0, ctypes.byref(info)))
-        self.impl = info.value.decode()
+        self.impl = self._impl(pd)
 
         vec_md = self._md(np.empty(C, np.float32), "NCX")
         ones = np.ones(C, np.float32)
@@ -365,11 +476,7 @@ class Backward:
                      (DNNL_ARG_DIFF_SHIFT, self._memory(vec_md, out[2]))]
         self.keep += [ones, scale]
         if relu_dst:
-            ws_md = lib.dnnl_primitive_desc_query_md(fwd_pd, dnnl_query_workspace_md, 0)
-            if not ws_md:
-                raise OneDNNError("query workspace_md", -1)
-            workspace = np.zeros(lib.dnnl_memory_desc_get_size(ws_md), np.uint8)
-            ws_mem = self._memory(ws_md, workspace)
+            _, ws_mem = self._workspace(fwd_pd)
             shift = np.zeros(C, np.float32) if beta is None else beta
             fwd = self._primitive(fwd_pd)
             fwd_args, n = self._args([
@@ -382,29 +489,7 @@ class Backward:
             check("forward (workspace)", lib.dnnl_primitive_execute(fwd, self.dnnl.stream, n,
                                                                     fwd_args))
             check("stream_wait", lib.dnnl_stream_wait(self.dnnl.stream))
-            self.keep += [workspace, shift]
+            self.keep.append(shift)
             self.relu_y = y
             args.append((DNNL_ARG_WORKSPACE, ws_mem))
-        self.prim = self._primitive(pd)
-        self.args, self.nargs = self._args(args)
-        self._execute = lib.dnnl_primitive_execute
-        self._wait = lib.dnnl_stream_wait
-
-    def __call__(self):
-        status = self._execute(self.prim, self.dnnl.stream, self.nargs, self.args)
-        if status == dnnl_success:
-            status = self._wait(self.dnnl.stream)
-        if status != dnnl_success:
-            raise OneDNNError("execute", status)
-
-    def close(self):
-        while self._owned:
-            destroy, handle = self._owned.pop()
-            destroy(handle)
-        self.keep = []
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:        # interpreter shutdown: the library may be gone already
-            pass
+        self._ready(pd, args)

@@ -7,17 +7,18 @@ from threadpoolctl import threadpool_limits
 import bnbw_native
 
 import shapes as shape_lists
-from cases import EPSILON, make_problem
+from cases import EPSILON, MOMENTUM, make_problem
 from peers import numpy_f32_backward, torch, torch_call, torch_inputs
 
 
 def call_overhead(rounds, number, onednn=None):
-    """Median microseconds per call on the tiny shape: ours (out= and not), torch, numpy, and
-    oneDNN (a loaded onednn_peer binding, when given)."""
+    """Median microseconds per call on the tiny shape: ours (out= and not; the forward with
+    out=), torch, numpy, and oneDNN (a loaded onednn_peer binding, when given)."""
     problem = make_problem("overhead", shape_lists.OVERHEAD_SHAPE, "f32")
     x, dy, mean, var, gamma = (problem[k] for k in ("x", "dy", "mean", "var", "gamma"))
     C = x.shape[1]
     out = (np.empty_like(x), np.empty(C, np.float32), np.empty(C, np.float32))
+    fwd_out = (np.empty_like(x),) + tuple(np.empty(C, np.float32) for _ in range(4))
     fns = {
         "ours (out=, 1 thread)": lambda: bnbw_native.batchnorm_training_backward(
             x, dy, mean, var, gamma, epsilon=EPSILON, data_format="NCX", out=out,
@@ -27,6 +28,10 @@ def call_overhead(rounds, number, onednn=None):
         "ours frozen (out=, 1 thread)": lambda: bnbw_native.batchnorm_training_backward(
             x, dy, mean, var, gamma, epsilon=EPSILON, data_format="NCX", num_outputs=1,
             out=out[:1], num_threads=1),
+        "ours forward (out=, 1 thread)": lambda: bnbw_native.batchnorm_training_forward(
+            x, problem["run_mean"], problem["run_var"], gamma, problem["beta"],
+            epsilon=EPSILON, momentum=MOMENTUM, data_format="NCX", out=fwd_out,
+            num_threads=1),
         "numpy f32": lambda: numpy_f32_backward(x, dy, mean, var, gamma, EPSILON, "NCX", 3),
     }
     if torch is not None:

@@ -1,11 +1,12 @@
 """The implementations timed beside ours: the package's float64 reference, a float32 NumPy
-backward (what a NumPy user writes), PyTorch's own kernels (optional), and, for the fused ReLU
-rows, PyTorch's ReLU backward followed by our unfused call.  oneDNN is in onednn_peer.py."""
+backward and forward (what a NumPy user writes), PyTorch's own kernels (optional), and, for the
+fused ReLU rows, PyTorch's ReLU backward followed by our unfused call.  oneDNN is in
+onednn_peer.py."""
 import numpy as np
 
 from bnbw_native import reference as _reference
 
-from cases import EPSILON
+from cases import EPSILON, MOMENTUM
 
 try:
     import ml_dtypes
@@ -18,6 +19,7 @@ except ImportError:      # torch columns are skipped with a note
     torch = None
 
 reference = _reference.batchnorm_training_backward
+reference_forward = _reference.batchnorm_training_forward
 REFERENCE_NAME = "bnbw_native.reference"
 
 
@@ -45,6 +47,26 @@ def numpy_f32_backward(x, dy, mean, var, gamma, epsilon, data_format, num_output
     dx = (g * r).reshape(bshape) * (dy32 - (dbeta / M).reshape(bshape)
                                     - xm * (r * dgamma / M).reshape(bshape))
     return dx.astype(x.dtype, copy=False), dgamma, dbeta
+
+
+def numpy_f32_forward(x, run_mean, run_var, gamma, beta, epsilon, momentum, data_format, relu):
+    """Batch-norm training forward the way a NumPy user writes it: float32, vectorised, the
+    biased variance, running statistics with `momentum` weighing the old ones (ours)."""
+    axis = 1 if data_format == "NCX" else x.ndim - 1
+    red = tuple(d for d in range(x.ndim) if d != axis)
+    bshape = [1] * x.ndim
+    bshape[axis] = -1
+    x32 = x.astype(np.float32, copy=False)
+    mean = x32.mean(axis=red)
+    xm = x32 - mean.reshape(bshape)
+    var = np.square(xm).mean(axis=red)
+    k = gamma / np.sqrt(var + np.float32(epsilon))
+    y = xm * k.reshape(bshape) + beta.reshape(bshape)
+    if relu:
+        np.maximum(y, 0, out=y)
+    m = np.float32(momentum)
+    return (y.astype(x.dtype, copy=False), m * run_mean + (1 - m) * mean,
+            m * run_var + (1 - m) * var, mean, var)
 
 
 def torch_view(arr):
@@ -120,3 +142,34 @@ def torch_result(t, x, layout, num_outputs):
     if num_outputs == 3:
         return dx, t[1].numpy(), t[2].numpy()
     return dx, None, None
+
+
+def torch_forward_call(X, problem, relu):
+    """aten.native_batch_norm in training mode on the view X, as a callable returning its
+    (y, save_mean, save_invstd); with `relu`, torch.relu_ on y in place afterwards, as
+    BatchNorm2d followed by ReLU(inplace=True) runs.  torch's running statistics (tensors of
+    their own, updated in place on every call) take momentum 1 - MOMENTUM, the same update as
+    ours, but torch keeps the unbiased variance there: they are not compared.  The op
+    allocates y (the runner gives it reused blocks for the fair column, torch_cache.py)."""
+    aten = torch.ops.aten
+    weight = torch.from_numpy(problem["gamma"])
+    bias = torch.from_numpy(problem["beta"])
+    run_mean = torch.from_numpy(problem["run_mean"].copy())
+    run_var = torch.from_numpy(problem["run_var"].copy())
+    momentum = 1 - MOMENTUM
+
+    def call():
+        result = aten.native_batch_norm(X, weight, bias, run_mean, run_var, True, momentum,
+                                        EPSILON)
+        if relu:
+            torch.relu_(result[0])
+        return result
+    return call
+
+
+def torch_forward_result(t, x, layout):
+    """torch's forward as (dst, None, None, batch_mean, batch_variance) NumPy arrays, dst
+    arranged like `layout`'s arrays, the variance from save_invstd in float64."""
+    dst = from_torch(t[0], x.dtype, layout)
+    invstd = t[2].numpy().astype(np.float64)
+    return (dst, None, None, t[1].numpy(), 1 / (invstd * invstd) - float(np.float32(EPSILON)))

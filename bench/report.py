@@ -19,26 +19,29 @@ def fmt_ratio(value):
 class Table:
     """The terminal table's columns: the standard ones, plus `xtorch-alloc` when the run times
     torch allocating its outputs (the default), `xunfus` when it has fused ReLU rows and
-    `body`, `xbody` when it compares kernel bodies."""
+    `body`, `xbody` when it compares kernel bodies.  With forward rows (`forward`) the error
+    column is headed `err dx|y`: dx's error on backward rows, dst's on forward rows."""
 
-    def __init__(self, unfused=False, bodies=False, torch_alloc=True):
+    def __init__(self, unfused=False, bodies=False, torch_alloc=True, forward=False):
         self.unfused, self.bodies, self.torch_alloc = unfused, bodies, torch_alloc
+        self.forward = forward
 
     @property
     def header(self):
-        return (f"{'case':<14} {'layout':<7} {'dtype':<4} {'formula':<9} {'thr':>3} "
+        return (f"{'case':<14} {'layout':<7} {'dtype':<4} {'formula':<12} {'thr':>3} "
                 f"{'class':<4} " + (f"{'body':<7} " if self.bodies else "") +
                 f"{'ms':>9} {'GB/s':>6} {'%roof':>6} "
                 + (f"{'xbody':>6} " if self.bodies else "") +
                 f"{'xtorch':>6} " + (f"{'xtorch-alloc':>12} " if self.torch_alloc else "") +
                 f"{'xonednn':>7} "
                 + (f"{'xunfus':>6} " if self.unfused else "") +
-                f"{'xnp32':>6} {'xref':>6} {'err dx':>8} check")
+                f"{'xnp32':>6} {'xref':>6} {'err dx|y' if self.forward else 'err dx':>8} "
+                "check")
 
     def row(self, row):
         notes = (" " + ",".join(row.notes)) if row.notes else ""
         body = (row.body or "-")[:7]
-        return (f"{row.case:<14} {row.layout:<7} {row.dtype:<4} {row.formula:<9} "
+        return (f"{row.case:<14} {row.layout:<7} {row.dtype:<4} {row.formula:<12} "
                 f"{row.threads:>3} {row.size_class:<4} "
                 + (f"{body:<7} " if self.bodies else "") +
                 f"{row.ours_ms:9.4f} {row.gbs:6.1f} {row.roofline_pct:6.1f} "
@@ -100,9 +103,10 @@ def class_bandwidth(rows):
 
 def network_totals(rows):
     """For each whole network (shapes.NETWORK_LAYERS) whose every shape has a row: the time of
-    all its batch norms' backward (each shape's ms x how many layers have it), ours and the
-    peers (torch with reused blocks, torch allocating, oneDNN), per layout, dtype, formula,
-    threads and body.  A peer's total needs all its rows."""
+    all its batch norms' backward, or forward for the forward formulas (each shape's ms x how
+    many layers have it), ours and the peers (torch with reused blocks, torch allocating,
+    oneDNN), per layout, dtype, formula, threads and body.  A peer's total needs all its
+    rows."""
     out = []
     for group in shape_lists.NETWORK_LAYERS:
         members = shape_lists.GROUPS[group]
@@ -156,12 +160,20 @@ def plot(rows, path):
     markers = ["o", "s", "^", "D"]
     thread_list = sorted({row.threads for row in rows})
     bodies = sorted({row.body for row in rows if row.body_cap})
+    forward = any(row.formula.startswith("forward") for row in rows)
+    backward = any(not row.formula.startswith("forward") for row in rows)
+    models = "; ".join(name for name, there in (("backward: two-pass model", backward),
+                                                ("forward: two-read model", forward)) if there)
     panels = [("roofline_pct", "% of roofline (probe time / our time)",
-               "bnbw_native.batchnorm_training_backward: % of the two-pass roofline")]
+               f"bnbw_native: % of the roofline ({models})")]
+    torch_ops = " / ".join(name for name, there in (("native_batch_norm_backward", backward),
+                                                    ("native_batch_norm", forward)) if there)
+    onednn_ops = " / ".join(name for name, there in (("backward", backward),
+                                                     ("forward_training", forward)) if there)
     for attr, who, what in (("vs_torch", "PyTorch",
-                             "torch.ops.aten.native_batch_norm_backward, outputs in reused "
-                             "blocks"),
-                            ("vs_onednn", "oneDNN", "oneDNN's batch normalization backward")):
+                             f"torch.ops.aten.{torch_ops}, outputs in reused blocks"),
+                            ("vs_onednn", "oneDNN",
+                             f"oneDNN's batch normalization {onednn_ops}")):
         if any(getattr(r, attr) for r in rows):
             panels.append((attr, f"speed-up vs {who} ({who} ms / our ms)",
                            f"speed-up vs {what}"))

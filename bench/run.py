@@ -1,27 +1,35 @@
-"""Benchmark runner for ``bnbw_native.batchnorm_training_backward``.
+"""Benchmark runner for ``bnbw_native.batchnorm_training_backward`` and
+``bnbw_native.batchnorm_training_forward``.
 
     python bench/run.py [--quick] [--threads 1,2] [--dtypes f32,f16,bf16] [--json PATH]
                         [--plot PATH] [--shapes NAMES] [--layouts ...] [--formulas ...]
                         [--peers torch,torch-alloc,numpy,reference,onednn] [--split]
-                        [--bodies avx2,avx512]
+                        [--bodies avx2,avx512] [--layers | --layers-only]
 
 Each row is one case: a named shape (bench/shapes.py) x a memory layout x a storage dtype x
-a formula x a thread count.  For every row, in one interleaved measurement:
+a formula (the backward's training, frozen, relu, relu-mask; the forward's forward,
+forward-relu) x a thread count.  For every row, in one interleaved measurement:
 
 * ours       the package, outputs preallocated with ``out=``, ``num_threads=`` passed (once per
              kernel body with --bodies);
 * probe      a STREAM-like loop (bench/stream.c) with the case's traffic pattern, over
              buffers of the case's byte size, on the same thread count: the roofline;
-* torch      ``aten.native_batch_norm_backward`` on views of the same data, its outputs in
-             blocks reused from call to call (bench/torch_cache.cpp; optional);
+* torch      ``aten.native_batch_norm_backward`` (forward rows: ``aten.native_batch_norm`` in
+             training mode, + ``relu_``) on views of the same data, its outputs in blocks
+             reused from call to call (bench/torch_cache.cpp; optional);
 * torch-alloc  the same op allocating its outputs on every call, as torch's own allocator
              does (optional);
-* onednn     oneDNN's batch-normalization backward through its C API on the same buffers
-             (optional: the onednn-cpu-gomp wheel);
+* onednn     oneDNN's batch-normalization backward (forward rows: forward_training) through
+             its C API on the same buffers (optional: the onednn-cpu-gomp wheel);
 * unfused    relu rows: torch's ReLU backward into a preallocated buffer, then our call
-             without relu_dst (optional);
+             without relu_dst; forward-relu rows: our forward without ReLU, then torch's
+             relu_ in place (optional);
 * numpy f32  a plain vectorised float32 NumPy implementation, what a user would write;
 * reference  the package's float64 NumPy reference ``bnbw_native.reference``.
+
+--layers adds the training-step rows of the PyTorch layers (bench/torch_layers.py: BatchNorm
+and BatchNormReLU against torch.nn.BatchNorm2d and BatchNorm2d + ReLU, forward + backward);
+--layers-only prints those alone.
 
 Every row is checked against the float64 reference (fails loudly); the peers' results are
 compared too.  Results go to a terminal table, a JSON file and a PNG.  bench/README.md has the
@@ -30,9 +38,9 @@ traffic model, the protocol and the columns.
 Modules (bench/): machine.py (machine facts), bandwidth.py (the probe), timing.py (the
 interleaved protocol), cases.py (shapes x layouts x dtypes x formulas, data), peers.py and
 onednn_peer.py (the other implementations), torch_cache.py + torch_cache.cpp (the torch
-peer's allocator), checks.py (against the reference), runner.py (one row), procmem.py (memory
-readings), overhead.py and memory.py (extra measurements), report.py (table, JSON, plot), this
-file (the command line).
+peer's allocator), checks.py (against the reference), runner.py (one row), torch_layers.py
+(the layer rows), procmem.py (memory readings), overhead.py and memory.py (extra measurements),
+report.py (table, JSON, plot), this file (the command line).
 """
 import argparse
 import os
@@ -50,8 +58,8 @@ if BENCH_DIR not in sys.path:
 from bnbw_native import _config  # noqa: E402
 
 from bandwidth import PROBE_BYTES_PER_ELEMENT, Probe, bandwidth_table  # noqa: E402
-from cases import (DEFAULT_FORMULAS, DTYPES, FORMULAS, LAYOUTS, PASSES,  # noqa: E402
-                   select_shapes)
+from cases import (DEFAULT_FORMULAS, DTYPES, FORMULAS, FORWARD_FORMULAS, LAYOUTS,  # noqa: E402
+                   MOMENTUM, OUTPUT_NAMES, PASSES, PROBE_PATTERN, select_shapes)
 from checks import TOLERANCE, CheckFailed  # noqa: E402
 from machine import L2_BYTES, L3_BYTES, available_cores, machine_info  # noqa: E402
 from memory import peak_memory  # noqa: E402
@@ -61,6 +69,7 @@ from report import (WEAK_CACHE_SPEEDUP, WEAK_DRAM_PCT, class_bandwidth,  # noqa:
                     weak_summary, write_json)
 from runner import PEERS, Runner  # noqa: E402
 from timing import FULL, QUICK  # noqa: E402
+import torch_layers  # noqa: E402
 
 
 def parse_list(text, allowed, what):
@@ -104,6 +113,11 @@ def parser():
     p.add_argument("--bodies", default=None,
                    help=f"comma list of kernel body caps ({','.join(_config.KERNEL_CAPS)}): "
                         "ours timed once per body in the same rounds, one row each")
+    p.add_argument("--layers", action="store_true",
+                   help="also time a training step of the PyTorch layers against torch's own "
+                        "(bench/torch_layers.py), on --threads")
+    p.add_argument("--layers-only", action="store_true",
+                   help="time the layer rows alone (no probes, kernel rows, overhead, memory)")
     p.add_argument("--json", default=os.path.join(BENCH_DIR, "results", "latest.json"))
     p.add_argument("--plot", default=os.path.join(BENCH_DIR, "results", "latest.png"))
     return p
@@ -134,9 +148,52 @@ def print_header(info, threads, probe, runner, notes):
             "outputs allocated on every call (the reused-block allocator is unavailable)") +
             "; xtorch-alloc = outputs allocated on every call by torch's own allocator; ReLU "
             "rows: threshold_backward.grad_input into a preallocated buffer for xtorch and "
-            "xunfus")
+            "xunfus" + ("; forward rows: aten.native_batch_norm in training mode (momentum "
+                        f"{1 - MOMENTUM:g}, torch's convention), forward-relu + torch.relu_ in "
+                        "place; xunfus = our forward, then torch.relu_ on its output"
+                        if set(runner.formulas) & set(FORWARD_FORMULAS) else ""))
     for note in notes:
         print(f"NOTE: {note}")
+
+
+TRAFFIC_TEXT = (
+    "traffic model: training 20 B/element for f32 (reduce reads x, dy: 8; apply reads x, dy, "
+    "writes dx: 12); frozen 8 B/element (reads dy, writes dx); relu 28 (y read in both passes), "
+    "relu-mask 22 (a 1-byte mask); forward and forward-relu 12 (the two-read model: the "
+    "statistics read x, the normalisation reads x again and writes y); f16/bf16 halve the "
+    "tensors' bytes; strided layout x2 (whole cache lines of a 2x wider buffer)")
+
+
+def traffic_model():
+    """The JSON's "traffic_model"."""
+    return {"bytes_per_element_per_tensor_pass": PASSES,
+            "training_bytes_per_f32_element": 20,
+            "frozen_bytes_per_f32_element": 8,
+            "relu_bytes_per_f32_element": 28,
+            "relu_mask_bytes_per_f32_element": 22,
+            "forward_bytes_per_f32_element": 12,
+            "forward_relu_bytes_per_f32_element": 12,
+            "forward_model": "two reads and one write of the storage dtype per element: x "
+                             "for the statistics, x again and y for the normalisation",
+            "probe_pattern": PROBE_PATTERN,
+            "half_precision": "half of f32 for the tensors, masks 1 byte",
+            "strided_factor": 2}
+
+
+def run_layers(threads, protocol, echo=print):
+    """The layer rows (bench/torch_layers.py), printed as they come; [] with a note on stderr
+    when torch is not importable."""
+    if torch_layers.torch is None:
+        print("NOTE: layer rows skipped: torch is not importable", file=sys.stderr)
+        return []
+    print("\nlayer rows: one training step (forward + backward) of bnbw_native.autograd's layer "
+          "and of torch's, float32, timed interleaved; ms = median per step; x torch = torch's "
+          "ms / ours (> 1: ours is faster), (min) the same of the fastest samples; err = ours "
+          "against torch's layer (y, x.grad, weight.grad, bias.grad); faults o/t = page faults "
+          "per step, ours / torch's (both allocate through torch's allocator)")
+    echo(torch_layers.HEADER)
+    return torch_layers.layer_rows(torch_layers.SHAPES, threads, protocol,
+                                   echo=lambda row: echo(torch_layers.format_row(row)))
 
 
 def main(argv=None):
@@ -145,6 +202,8 @@ def main(argv=None):
     wall0 = perf_counter()
     protocol = QUICK if args.quick else FULL
     threads = parse_threads(args.threads)
+    if args.layers_only:
+        return layers_only(args, protocol, threads, wall0)
     dtypes = parse_list(args.dtypes or ("f32" if args.quick else ",".join(TOLERANCE)),
                         list(TOLERANCE), "dtype")
     notes = []
@@ -155,11 +214,11 @@ def main(argv=None):
     bodies = parse_list(args.bodies, _config.KERNEL_CAPS, "kernel body") if args.bodies \
         else None
     named = select_shapes(args.shapes, args.quick)
+    formulas = parse_list(args.formulas, FORMULAS, "formula")
 
     probe = Probe()
     runner = Runner(protocol, threads, dtypes, parse_list(args.layouts, LAYOUTS, "layout"),
-                    parse_list(args.formulas, FORMULAS, "formula"), peers, probe,
-                    split=args.split, bodies=bodies)
+                    formulas, peers, probe, split=args.split, bodies=bodies)
     notes += runner.notes
     if probe.note:
         notes.append(probe.note)
@@ -182,14 +241,14 @@ def main(argv=None):
         print(f"  {e['class']:<5} {e['array_bytes'] >> 10:>6}KiB {e['threads']:>3} " +
               " ".join(f"{e[p]:8.1f}" for p in PROBE_BYTES_PER_ELEMENT))
 
-    print("\ntraffic model: training 20 B/element for f32 (reduce reads x, dy: 8; apply reads "
-          "x, dy, writes dx: 12); frozen 8 B/element (reads dy, writes dx); relu 28 (y read "
-          "in both passes), relu-mask 22 (a 1-byte mask); f16/bf16 halve the tensors' bytes; "
-          "strided layout x2 (whole cache lines of a 2x wider buffer)")
+    print("\n" + TRAFFIC_TEXT)
     print("columns: ms = median of our calls; GB/s = model bytes / ms; %roof = roofline time "
           "(probe) / our time; xtorch, xtorch-alloc, xonednn, xunfus, xnp32, xref = peer ms / "
           "our ms (xtorch: torch's outputs in reused blocks; xtorch-alloc: allocated per call); "
-          "err dx = vs float64 reference\n")
+          "err dx = vs float64 reference" +
+          (" (err dx|y: dst's on forward rows; forward momentum "
+           f"{MOMENTUM}, the old statistics' weight)" if set(formulas) & set(FORWARD_FORMULAS)
+           else "") + "\n")
     print(runner.table.header)
     t0 = perf_counter()
     try:
@@ -208,9 +267,10 @@ def main(argv=None):
 
     networks = network_totals(rows)
     if networks:
-        print("\nwhole networks, every batch norm's backward once (sum of layers x ms):")
+        print("\nwhole networks, every batch norm once: its backward, or its forward for the "
+              "forward formulas (sum of layers x ms):")
         for e in networks:
-            print(f"  {e['network']:<16} {e['layout']:<7} {e['dtype']:<4} {e['formula']:<9} "
+            print(f"  {e['network']:<16} {e['layout']:<7} {e['dtype']:<4} {e['formula']:<12} "
                   f"thr {e['threads']} {e['body']}: ours {e['ours_ms']:9.2f} ms, "
                   f"xtorch {fmt_ratio(e['vs_torch'])}, xtorch-alloc "
                   f"{fmt_ratio(e['vs_torch_alloc'])}, xonednn {fmt_ratio(e['vs_onednn'])}")
@@ -241,7 +301,7 @@ def main(argv=None):
     per_class = class_bandwidth(rows)
     print("\nprobe bandwidth per size class (median over rows, model bytes / roofline time):")
     for e in per_class:
-        print(f"  {e['class']:<5} {e['formula']:<9} {e['threads']} thread(s): "
+        print(f"  {e['class']:<5} {e['formula']:<12} {e['threads']} thread(s): "
               f"{e['probe_gbs']:6.1f} GB/s  ({e['rows']} rows)")
 
     weak = weak_rows(rows)
@@ -249,9 +309,21 @@ def main(argv=None):
           f"{WEAK_CACHE_SPEEDUP:.0f}x torch (xtorch, reused blocks)): {len(weak)} of {len(rows)}; "
           "by group (weak/rows, median % of roofline, median x torch):")
     for key, group in weak_summary(rows, weak):
-        print(f"  {key[0]:<4} {key[1]:<4} {key[2]:<9} {key[3]:<7} thr {key[4]}: "
+        print(f"  {key[0]:<4} {key[1]:<4} {key[2]:<12} {key[3]:<7} thr {key[4]}: "
               f"{group['weak']:>2}/{group['rows']:<2} {group['roofline_pct']:6.1f}% "
               f"{group['vs_torch']:6.2f}x")
+
+    layers = None
+    if args.layers:
+        t0 = perf_counter()
+        try:
+            layers = run_layers(threads, protocol)
+        except CheckFailed as exc:
+            print(f"\nLAYER CHECK FAILED: {exc}", file=sys.stderr)
+            write_json({"machine": info, "failure": str(exc),
+                        "rows": [asdict(r) for r in rows]}, args.json)
+            return 1
+        sections["layers"] = perf_counter() - t0
 
     info["load_average_end"] = list(os.getloadavg())
     results = {
@@ -259,23 +331,46 @@ def main(argv=None):
         "protocol": asdict(protocol), "quick": args.quick,
         "torch_peer": runner.torch_peer_info() if runner.peers & {"torch", "torch-alloc"}
         else None,
-        "traffic_model": {"bytes_per_element_per_tensor_pass": PASSES,
-                          "training_bytes_per_f32_element": 20,
-                          "frozen_bytes_per_f32_element": 8,
-                          "relu_bytes_per_f32_element": 28,
-                          "relu_mask_bytes_per_f32_element": 22,
-                          "half_precision": "half of f32 for the tensors, masks 1 byte",
-                          "strided_factor": 2},
+        "traffic_model": traffic_model(),
+        "forward_momentum": MOMENTUM,
+        "err_outputs": {"backward": OUTPUT_NAMES["backward"],
+                        "forward": OUTPUT_NAMES["forward"]},
         "tolerance": TOLERANCE, "bandwidth": bw, "bandwidth_per_class": per_class,
         "onednn_implementations": impls, "networks": networks,
         "rows": [asdict(r) for r in rows], "overhead": overhead, "memory": memory,
         "weak": [{"case": r.case, "layout": r.layout, "dtype": r.dtype, "formula": r.formula,
                   "threads": r.threads, "body": r.body, "why": why} for r, why in weak],
+        "layers": None if layers is None else [asdict(r) for r in layers],
     }
     t0 = perf_counter()
     if args.plot:
         plot(rows, args.plot)
     sections["plot"] = perf_counter() - t0
+    return finish(results, sections, args, wall0, info)
+
+
+def layers_only(args, protocol, threads, wall0):
+    """--layers-only: the header's machine lines, the layer rows, their JSON."""
+    info = machine_info(threads)
+    print(f"machine: {info['cpu']}, {info['cores']} cores; load average {info['load_average']}")
+    print(f"threads used: {threads}; torch {info['torch']}, python {info['python']}")
+    print(info["bnbw_native_config"])
+    sections = {"setup": perf_counter() - wall0}
+    t0 = perf_counter()
+    try:
+        layers = run_layers(threads, protocol)
+    except CheckFailed as exc:
+        print(f"\nLAYER CHECK FAILED: {exc}", file=sys.stderr)
+        write_json({"machine": info, "failure": str(exc)}, args.json)
+        return 1
+    sections["layers"] = perf_counter() - t0
+    info["load_average_end"] = list(os.getloadavg())
+    results = {"machine": info, "protocol": asdict(protocol), "quick": args.quick,
+               "layers": [asdict(r) for r in layers]}
+    return finish(results, sections, argparse.Namespace(json=args.json, plot=""), wall0, info)
+
+
+def finish(results, sections, args, wall0, info):
     results["section_seconds"] = sections
     results["wall_seconds"] = wall = perf_counter() - wall0
     write_json(results, args.json)

@@ -1,6 +1,7 @@
 """One row per case and thread count (and kernel body, with --bodies): ours, the roofline probe
 and the peers timed interleaved on the same data, every result checked against the float64
-reference."""
+reference.  A backward case (`run_backward_case`) and a forward case (`run_forward_case`) each
+say what is called and how its results are checked; timing, rows and verdicts are shared."""
 import os
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -14,13 +15,16 @@ from bnbw_native import _config
 import onednn_peer
 import torch_cache
 from bandwidth import PROBE_BYTES_PER_ELEMENT, Probe
-from cases import (DEFAULT_FORMULAS, EPSILON, LAYOUTS, NUM_OUTPUTS, PROBE_PATTERN,
-                   RELU_FORMULAS, arrange, layout_arrays, make_problem, traffic)
-from checks import (TOLERANCE, CheckFailed, errors, peer_verdict, ref_scales, within)
+from cases import (DEFAULT_FORMULAS, EPSILON, FORWARD_FORMULAS, LAYOUTS, MOMENTUM,
+                   NUM_OUTPUTS, PROBE_PATTERN, RELU_FORMULAS, arrange, layout_arrays,
+                   make_problem, traffic)
+from checks import (TOLERANCE, CheckFailed, errors, forward_errors, peer_verdict, ref_scales,
+                    within)
 from machine import size_class
 from report import Table
-from peers import (REFERENCE_NAME, from_torch, numpy_f32_backward, reference, torch,
-                   torch_call, torch_inputs, torch_result)
+from peers import (REFERENCE_NAME, from_torch, numpy_f32_backward, numpy_f32_forward,
+                   reference, reference_forward, torch, torch_call, torch_forward_call,
+                   torch_forward_result, torch_inputs, torch_result)
 from procmem import minor_faults
 from timing import measure
 
@@ -40,6 +44,15 @@ TORCH_PEER = {
                     "allocating op (native_functions.yaml: autogen), so it allocates dx, then "
                     "copies it into out0, and it rejects any out1/out2 for the frozen form "
                     "(output_mask [True, False, False])",
+    "forward": "forward rows: aten.native_batch_norm in training mode (momentum 1 - ours, the "
+               "same update; torch's running variance is the unbiased one, not compared), "
+               "forward-relu rows followed by torch.relu_ in place; its outputs (y, save_mean, "
+               "save_invstd) in reused blocks for xtorch, allocated by torch's own allocator "
+               "for xtorch-alloc",
+    "forward_out_overload": "not used, so that the forward's torch columns get their memory "
+                            "as the backward's do: aten.native_batch_norm.out is a CPU kernel "
+                            "of its own (batch_norm_cpu_out) and, unlike the backward's, "
+                            "writes into its out tensors without new pages",
 }
 # Rows whose torch call faults more than this share of dx's 4 KiB pages get a note: the reused
 # blocks did not hold.
@@ -72,14 +85,15 @@ class Row:
     numpy_ms: float = None
     ref_ms: float = None
     onednn_ms: float = None
-    unfused_ms: float = None   # relu rows: torch's ReLU backward into a buffer, then our call
+    unfused_ms: float = None   # relu rows: torch's ReLU backward into a buffer, then our call;
+    #                            forward-relu rows: our forward without ReLU, then torch.relu_
     vs_torch: float = None
     vs_torch_alloc: float = None
     vs_numpy: float = None
     vs_ref: float = None
     vs_onednn: float = None
     vs_unfused: float = None
-    err: list = field(default_factory=list)
+    err: list = field(default_factory=list)   # cases.OUTPUT_NAMES order; None: not given
     torch_err: list = None
     torch_alloc_err: list = None
     numpy_err: list = None
@@ -153,9 +167,11 @@ class Runner:
             for cap, body in self.bodies.items():
                 if body.lower().replace("-", "") != cap:
                     self.notes.append(f"kernel body cap {cap!r} runs {body} on this CPU")
-        self.table = table or Table(unfused=bool(set(self.formulas) & set(RELU_FORMULAS)),
+        relu = set(RELU_FORMULAS) | {"forward-relu"}
+        self.table = table or Table(unfused=bool(set(self.formulas) & relu),
                                     bodies=bool(self.bodies),
-                                    torch_alloc="torch-alloc" in self.peers)
+                                    torch_alloc="torch-alloc" in self.peers,
+                                    forward=bool(set(self.formulas) & set(FORWARD_FORMULAS)))
         self.rows = []
 
     # -- the loop over cases -----------------------------------------------------------------
@@ -184,12 +200,15 @@ class Runner:
             return {"ours": None}
         return {f"ours:{cap}": cap for cap in self.bodies}
 
-    def torch_peer(self, relu):
+    def torch_peer(self, formula):
         """How this run's torch column gets its outputs, in a few words (a row's `torch_peer`)."""
         how = ("reused blocks (bench/torch_cache.cpp)" if self.torch_cache is not None
                else f"allocating ({torch_cache.why_absent})")
-        return how + (", threshold_backward.grad_input into a preallocated buffer" if relu
-                      else "")
+        if formula in RELU_FORMULAS:
+            how += ", threshold_backward.grad_input into a preallocated buffer"
+        elif formula == "forward-relu":
+            how += ", then torch.relu_ in place"
+        return how
 
     def torch_peer_info(self):
         """The JSON's "torch_peer": what each torch column is, and the allocator's state."""
@@ -210,6 +229,149 @@ class Runner:
         return found
 
     def run_case(self, problem, layout, arrays, formula, probe_bufs):
+        if formula in FORWARD_FORMULAS:
+            self.run_forward_case(problem, layout, arrays, formula, probe_bufs)
+        else:
+            self.run_backward_case(problem, layout, arrays, formula, probe_bufs)
+
+    # -- what every case shares ----------------------------------------------------------------
+
+    def case_traffic(self, problem, layout, formula, itemsize, probe_bufs):
+        """The row's bytes and its probe: {elements, model_bytes, footprint, probe_scale,
+        pattern, bufs} (probe buffers shared by the case's layouts and formulas of one size)."""
+        elements = int(np.prod(problem["shape"]))
+        model_bytes, footprint, array_bytes = traffic(formula, layout, itemsize, elements)
+        pattern = PROBE_PATTERN[formula]
+        if array_bytes not in probe_bufs:
+            probe_bufs[array_bytes] = self.probe.buffers(array_bytes)
+        return {"elements": elements, "model_bytes": model_bytes, "footprint": footprint,
+                "probe_scale": model_bytes / (PROBE_BYTES_PER_ELEMENT[pattern] // 4
+                                              * array_bytes),
+                "pattern": pattern, "bufs": probe_bufs[array_bytes],
+                "dx_bytes": itemsize * elements}
+
+    def probe_fns(self, tr, nthreads):
+        fns = {"probe": self.probe.kernel(tr["pattern"], tr["bufs"], nthreads)}
+        if nthreads > 1:   # the roofline may use fewer threads than it is given
+            fns["probe1"] = self.probe.kernel(tr["pattern"], tr["bufs"], 1)
+        return fns
+
+    def fair_torch(self, call, holder):
+        """The fair torch column: the previous result's blocks go back before the next call."""
+        def fair():
+            holder.pop("torch", None)
+            holder["torch"] = call()
+        return fair
+
+    def timed(self, fns, nthreads, known, dx_bytes, build_onednn):
+        """Time `fns` interleaved inside the row's thread limit; (times, oneDNN's call or None).
+        oneDNN fixes a primitive's thread count when it is created, so `build_onednn` runs
+        here, inside the limit."""
+        before = {}
+        with self.pools.limit(limits=nthreads):
+            if torch is not None:
+                torch.set_num_threads(nthreads)
+            onednn_call = build_onednn()
+            if onednn_call is not None:
+                fns["onednn"] = onednn_call
+            steps = {name: [] for name in fns}
+            if self.bodies:     # ours under each cap; everything else under the first
+                first = next(iter(self.bodies))
+                for name in fns:
+                    cap = self.ours_names().get(name, first)
+                    steps[name].append(lambda cap=cap: _config.use_kernels(cap))
+            if self.torch_cache is not None:   # torch's outputs reused for "torch" alone
+                for name in fns:
+                    steps[name].append(self.torch_cache.on if name == "torch"
+                                       else self.torch_cache.off)
+            for name, todo in steps.items():
+                if todo:
+                    before[name] = lambda todo=tuple(todo): [step() for step in todo]
+            # Untimed first calls, so that a sample is never a first call (in --quick a
+            # slow peer's one sample is its warm-up call): torch's reused blocks and
+            # oneDNN's scratchpad exist, and are resident, before the timing.
+            for name in ("torch", "onednn"):
+                if name in fns:
+                    self.prime(fns[name], before.get(name), dx_bytes)
+            try:
+                times = measure(fns, self.protocol, subjects=SUBJECTS, known=known,
+                                before=before, count=self.events)
+            finally:
+                if self.torch_cache is not None:
+                    self.torch_cache.off()
+        return times, onednn_call
+
+    def case_rows(self, problem, layout, formula, nthreads, tr, times, onednn_state, outs,
+                  check):
+        """One row per kernel body of ours, counted and checked (`check(row, out)` raises
+        CheckFailed), every body's outputs bit for bit the first's."""
+        rows = []
+        for name, cap in self.ours_names().items():
+            row = self.make_row(problem, layout, formula, nthreads, tr["elements"],
+                                tr["footprint"], tr["model_bytes"], tr["probe_scale"], times,
+                                name)
+            row.body = self.bodies[cap] if cap else _config.kernel_body()
+            row.body_cap = cap
+            row.onednn_impl = onednn_state.get("impl")
+            self.count_row(row, times, tr["dx_bytes"])
+            check(row, name)
+            rows.append(row)
+        if len(rows) > 1:
+            first_name = next(iter(outs))
+            for name, row in zip(list(outs)[1:], rows[1:]):
+                if not all(np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
+                           for a, b in zip(outs[first_name], outs[name])):
+                    row.check = "FAIL"
+                    self.echo(self.format(row))
+                    raise CheckFailed(f"{problem['name']} {layout} {problem['dtype_key']} "
+                                      f"{formula} threads={nthreads}: kernel bodies "
+                                      f"{rows[0].body} and {row.body} give different bits")
+            for row in rows:
+                row.vs_first_body = rows[0].ours_ms / row.ours_ms
+        return rows
+
+    def judge_peers(self, rows, found, dtype_key, where):
+        """{peer: errors}: beyond the semantics limit the run fails, beyond 10x our tolerance
+        the rows get a note (numpy f32 is recorded, never judged)."""
+        for name, errs in found.items():
+            try:
+                note = None if name == "numpy" else peer_verdict(name, errs, dtype_key, where)
+            except CheckFailed:
+                for row in rows:
+                    row.check = "FAIL"
+                raise
+            for row in rows:
+                setattr(row, f"{name.replace('-', '_')}_err", errs)
+                if note:
+                    row.notes.append(note)
+
+    def publish(self, rows, onednn_call):
+        if self.torch_cache is not None:
+            self.torch_cache.flush()       # the results are gone: free their blocks
+        if onednn_call is not None:
+            onednn_call.close()
+        for row in rows:
+            self.rows.append(row)
+            self.echo(self.format(row))
+
+    def onednn_try(self, state, make):
+        """make() -> oneDNN's call, or None (when absent, or the case is "unsupported: why" or
+        "error: what" in state["impl"], remembered for the next thread counts)."""
+        if self.onednn is None or state.get("impl", "").startswith(("unsupported", "error")):
+            return None
+        try:
+            call = make()
+        except onednn_peer.Unsupported as exc:
+            state["impl"] = f"unsupported: {exc}"
+            return None
+        except (onednn_peer.OneDNNError, TypeError) as exc:
+            state["impl"] = f"error: {exc}"
+            return None
+        return call
+
+    # -- the backward --------------------------------------------------------------------------
+
+    def run_backward_case(self, problem, layout, arrays, formula, probe_bufs):
         x, dy, data_format = arrays["x"], arrays["dy"], arrays["data_format"]
         k = NUM_OUTPUTS[formula]
         C = problem["shape"][1]
@@ -232,15 +394,7 @@ class Runner:
             dx, gaps[name] = (arrays["dx"], arrays["dx_gaps"]) if i == 0 else arrange(
                 np.zeros(problem["shape"], x.dtype), layout, np.nan)
             outs[name] = (dx, np.zeros(C, np.float32), np.zeros(C, np.float32))[:k]
-
-        elements = int(np.prod(problem["shape"]))
-        model_bytes, footprint, array_bytes = traffic(formula, layout, x.dtype.itemsize,
-                                                      elements)
-        pattern = PROBE_PATTERN[formula]
-        probe_scale = model_bytes / (PROBE_BYTES_PER_ELEMENT[pattern] // 4 * array_bytes)
-        if array_bytes not in probe_bufs:
-            probe_bufs[array_bytes] = self.probe.buffers(array_bytes)
-        bufs = probe_bufs[array_bytes]
+        tr = self.case_traffic(problem, layout, formula, x.dtype.itemsize, probe_bufs)
 
         views = None
         if self.peers & {"torch", "torch-alloc"}:
@@ -257,27 +411,22 @@ class Runner:
         onednn_state = {}      # what one build found, for the next thread counts
 
         for nthreads in self.threads:
-            fns, before = {}, {}
+            fns = {}
             for name, cap in self.ours_names().items():
                 out = outs[name]
                 fns[name] = (lambda out=out: bnbw_native.batchnorm_training_backward(
                     x, dy, mean, var, gamma, epsilon=EPSILON, data_format=data_format,
                     num_outputs=k, out=out, num_threads=nthreads, **relu_kw))
-            fns["probe"] = self.probe.kernel(pattern, bufs, nthreads)
-            if nthreads > 1:   # the roofline may use fewer threads than it is given
-                fns["probe1"] = self.probe.kernel(pattern, bufs, 1)
+            fns.update(self.probe_fns(tr, nthreads))
             if self.split and k == 3:
                 fns.update(self.phase_fns(x, dy, mean, var, gamma, data_format,
-                                          outs[next(iter(outs))], nthreads, bufs, relu_kw))
+                                          outs[next(iter(outs))], nthreads, tr["bufs"],
+                                          relu_kw))
             holder = {}
             if "torch" in self.peers:
-                call = torch_call(views[0], views[1], problem, k, Y=relu_y,
-                                  grad_buf=grad_bufs.get("torch"))
-
-                def fair(call=call):
-                    holder.pop("torch", None)   # the previous result's blocks go back first
-                    holder["torch"] = call()
-                fns["torch"] = fair
+                fns["torch"] = self.fair_torch(torch_call(
+                    views[0], views[1], problem, k, Y=relu_y, grad_buf=grad_bufs.get("torch")),
+                    holder)
                 if relu_dst is not None:
                     fns["unfused"] = self.unfused_fn(views, arrays, problem, layout, nthreads,
                                                      holder, grad_bufs["unfused"])
@@ -291,75 +440,20 @@ class Runner:
                 fns["reference"] = lambda: self.reference(
                     x, grad, mean, var, gamma, epsilon=EPSILON, data_format=data_format,
                     num_outputs=k)
-            with self.pools.limit(limits=nthreads):
-                if torch is not None:
-                    torch.set_num_threads(nthreads)
-                # oneDNN fixes a primitive's thread count when it is created: build it here.
-                onednn_call = self.onednn_build(problem, layout, arrays, formula, onednn_state)
-                if onednn_call is not None:
-                    fns["onednn"] = onednn_call
-                steps = {name: [] for name in fns}
-                if self.bodies:     # ours under each cap; everything else under the first
-                    first = next(iter(self.bodies))
-                    for name in fns:
-                        cap = self.ours_names().get(name, first)
-                        steps[name].append(lambda cap=cap: _config.use_kernels(cap))
-                if self.torch_cache is not None:   # torch's outputs reused for "torch" alone
-                    for name in fns:
-                        steps[name].append(self.torch_cache.on if name == "torch"
-                                           else self.torch_cache.off)
-                for name, todo in steps.items():
-                    if todo:
-                        before[name] = lambda todo=tuple(todo): [step() for step in todo]
-                # Untimed first calls, so that a sample is never a first call (in --quick a
-                # slow peer's one sample is its warm-up call): torch's reused blocks and
-                # oneDNN's scratchpad exist, and are resident, before the timing.
-                for name in ("torch", "onednn"):
-                    if name in fns:
-                        self.prime(fns[name], before.get(name), x.dtype.itemsize * elements)
-                try:
-                    times = measure(fns, self.protocol, subjects=SUBJECTS, known=known,
-                                    before=before, count=self.events)
-                finally:
-                    if self.torch_cache is not None:
-                        self.torch_cache.off()
+            times, onednn_call = self.timed(fns, nthreads, known, tr["dx_bytes"], lambda: (
+                self.onednn_build(problem, layout, arrays, formula, onednn_state)))
             for who, (ptr, strides) in buf_layout.items():
                 buf = grad_bufs[who]
                 if (buf.data_ptr(), buf.stride()) != (ptr, strides):
                     raise CheckFailed(f"{where}: threshold_backward.grad_input did not fill "
                                       f"the {who} buffer in place")
 
-            rows = []
-            for name, cap in self.ours_names().items():
-                row = self.make_row(problem, layout, formula, nthreads, elements, footprint,
-                                    model_bytes, probe_scale, times, name)
-                row.body = self.bodies[cap] if cap else _config.kernel_body()
-                row.body_cap = cap
-                row.onednn_impl = onednn_state.get("impl")
-                self.count_row(row, times, relu_dst is not None, x.dtype.itemsize * elements)
-                self.check_row(row, outs[name], ref, scales, problem, gaps[name])
-                rows.append(row)
-            if len(rows) > 1:
-                first_name = next(iter(outs))
-                for name, row in zip(list(outs)[1:], rows[1:]):
-                    if not all(np.array_equal(a.view(f"u{a.itemsize}"),
-                                              b.view(f"u{b.itemsize}"))
-                               for a, b in zip(outs[first_name], outs[name])):
-                        row.check = "FAIL"
-                        self.echo(self.format(row))
-                        raise CheckFailed(f"{where} threads={nthreads}: kernel bodies "
-                                          f"{rows[0].body} and {row.body} give different bits")
-                for row in rows:
-                    row.vs_first_body = rows[0].ours_ms / row.ours_ms
+            rows = self.case_rows(problem, layout, formula, nthreads, tr, times, onednn_state,
+                                  outs, lambda row, name: self.check_row(
+                                      row, outs[name], ref, scales, problem, gaps[name]))
             self.check_peers(rows, holder, onednn_call, onednn_state, ref, scales, problem,
                              layout, k, where, outs)
-            if self.torch_cache is not None:
-                self.torch_cache.flush()       # the results are gone: free their blocks
-            if onednn_call is not None:
-                onednn_call.close()
-            for row in rows:
-                self.rows.append(row)
-                self.echo(self.format(row))
+            self.publish(rows, onednn_call)
 
     def format(self, row):
         return self.table.row(row)
@@ -377,14 +471,14 @@ class Runner:
             if minor_faults() - start <= TORCH_FAULT_NOTE * dx_bytes / 4096:
                 break
 
-    def count_row(self, row, times, relu, dx_bytes):
+    def count_row(self, row, times, dx_bytes):
         """The row's page faults per timed call, how its torch column got its outputs, and a
         note when the torch call faulted on more than TORCH_FAULT_NOTE of the pages of its dx
-        (dense, `dx_bytes`)."""
+        (or y: dense, `dx_bytes`)."""
         row.faults_per_call = {name: t["per_call"]["faults"] for name, t in times.items()
                                if t.get("per_call")}
         if "torch" in times:
-            row.torch_peer = self.torch_peer(relu)
+            row.torch_peer = self.torch_peer(row.formula)
             per_call = times["torch"].get("per_call") or {}
             row.torch_new_blocks_per_call = per_call.get("torch_new_blocks")
             faults = row.faults_per_call.get("torch")
@@ -398,25 +492,17 @@ class Runner:
         absent or has no implementation ("unsupported" in state["impl"]).  ReLU rows: the
         workspace comes from oneDNN's own forward, so its mask is compared with ours once
         and, where an element differs, the reference is recomputed on oneDNN's mask."""
-        if self.onednn is None or state.get("impl", "").startswith(("unsupported", "error")):
-            return None
         x, dy = arrays["x"], arrays["dy"]
         k = NUM_OUTPUTS[formula]
         C = problem["shape"][1]
         out = (arrange(np.zeros(problem["shape"], x.dtype), layout, np.nan)[0],
                np.zeros(C, np.float32), np.zeros(C, np.float32))
         relu = formula in RELU_FORMULAS
-        try:
-            call = onednn_peer.Backward(
-                self.onednn, x, dy, problem["mean"], problem["var"], problem["gamma"], out,
-                epsilon=EPSILON, data_format=arrays["data_format"],
-                formula="training" if k == 3 else "frozen", relu_dst=relu,
-                beta=problem["beta"])
-        except onednn_peer.Unsupported as exc:
-            state["impl"] = f"unsupported: {exc}"
-            return None
-        except (onednn_peer.OneDNNError, TypeError) as exc:
-            state["impl"] = f"error: {exc}"
+        call = self.onednn_try(state, lambda: onednn_peer.Backward(
+            self.onednn, x, dy, problem["mean"], problem["var"], problem["gamma"], out,
+            epsilon=EPSILON, data_format=arrays["data_format"],
+            formula="training" if k == 3 else "frozen", relu_dst=relu, beta=problem["beta"]))
+        if call is None:
             return None
         call.out = out
         if "impl" not in state:
@@ -459,33 +545,20 @@ class Runner:
 
     def check_peers(self, rows, holder, onednn_call, onednn_state, ref, scales, problem,
                     layout, k, where, outs):
-        """Peer results against the reference: beyond the semantics limit the run fails, beyond
-        10x our tolerance the rows get a note."""
-        dtype_key = problem["dtype_key"]
+        """The backward peers' results against the reference (judge_peers)."""
         x = next(iter(outs.values()))[0]
         found = {}
         for name in ("torch", "torch-alloc"):
             if name in holder:
-                found[name] = (errors(torch_result(holder.pop(name), x, layout, k), ref,
-                                      scales, problem, k), ref)
-        if "unfused" in holder:
-            found["unfused"] = (errors(holder.pop("unfused"), ref, scales, problem, k), ref)
-        if "numpy" in holder:
-            found["numpy"] = (errors(holder.pop("numpy"), ref, scales, problem, k), ref)
+                found[name] = errors(torch_result(holder.pop(name), x, layout, k), ref,
+                                     scales, problem, k)
+        for name in ("unfused", "numpy"):
+            if name in holder:
+                found[name] = errors(holder.pop(name), ref, scales, problem, k)
         if onednn_call is not None:
             r, s = onednn_state.get("ref", (ref, scales))
-            found["onednn"] = (errors(onednn_call.out, r, s, problem, k), r)
-        for name, (errs, _) in found.items():
-            try:
-                note = None if name == "numpy" else peer_verdict(name, errs, dtype_key, where)
-            except CheckFailed:
-                for row in rows:
-                    row.check = "FAIL"
-                raise
-            for row in rows:
-                setattr(row, f"{name.replace('-', '_')}_err", errs)
-                if note:
-                    row.notes.append(note)
+            found["onednn"] = errors(onednn_call.out, r, s, problem, k)
+        self.judge_peers(rows, found, problem["dtype_key"], where)
         if onednn_call is not None and onednn_state.get("note"):
             for row in rows:
                 row.notes.append(onednn_state["note"])
@@ -504,6 +577,106 @@ class Runner:
             "probe_reduce": probe.kernel("reduce", bufs, nthreads),
             "probe_apply": probe.kernel("apply", bufs, nthreads),
         }
+
+    # -- the forward ---------------------------------------------------------------------------
+
+    def run_forward_case(self, problem, layout, arrays, formula, probe_bufs):
+        """batchnorm_training_forward (all five outputs into preallocated arrays, momentum
+        MOMENTUM, fuse_relu for forward-relu) next to torch's native_batch_norm (+ relu_),
+        oneDNN's forward_training, float32 NumPy and the float64 reference; dst and the
+        statistics checked against the reference."""
+        x, data_format = arrays["x"], arrays["data_format"]
+        relu = formula == "forward-relu"
+        C = problem["shape"][1]
+        gamma, beta = problem["gamma"], problem["beta"]
+        run_mean, run_var = problem["run_mean"], problem["run_var"]
+        kw = dict(epsilon=EPSILON, momentum=MOMENTUM, data_format=data_format)
+        where = f"{problem['name']} {layout} {problem['dtype_key']} {formula}"
+
+        t0 = perf_counter()
+        ref = reference_forward(x, run_mean, run_var, gamma, beta, fuse_relu=relu, **kw)
+        known = {"reference": perf_counter() - t0}   # single-threaded: any thread count
+        ref = [np.asarray(a, np.float64) for a in ref]
+        scales = ref_scales(ref)
+
+        # dst of the first body is the case's dx array (NaN gaps when strided): the rows of
+        # one case run one after another and each checks what it wrote right after its timing
+        outs, gaps = {}, {}
+        for i, name in enumerate(self.ours_names()):
+            dst, gaps[name] = (arrays["dx"], arrays["dx_gaps"]) if i == 0 else arrange(
+                np.zeros(problem["shape"], x.dtype), layout, np.nan)
+            outs[name] = (dst,) + tuple(np.zeros(C, np.float32) for _ in range(4))
+        tr = self.case_traffic(problem, layout, formula, x.dtype.itemsize, probe_bufs)
+
+        X = torch_inputs([x], layout)[0] if self.peers & {"torch", "torch-alloc"} else None
+        unfused_out = unfused_dst = None
+        if relu and "torch" in self.peers:   # our forward without ReLU, then torch.relu_
+            unfused_out = ((arrange(np.zeros(problem["shape"], x.dtype), layout, np.nan)[0],)
+                           + tuple(np.zeros(C, np.float32) for _ in range(4)))
+            unfused_dst = torch_inputs([unfused_out[0]], layout)[0]   # a view, no copy
+        onednn_state = {}
+
+        for nthreads in self.threads:
+            fns = {}
+            for name in self.ours_names():
+                fns[name] = (lambda out=outs[name]: bnbw_native.batchnorm_training_forward(
+                    x, run_mean, run_var, gamma, beta, fuse_relu=relu, out=out,
+                    num_threads=nthreads, **kw))
+            fns.update(self.probe_fns(tr, nthreads))
+            holder = {}
+            if "torch" in self.peers:
+                fns["torch"] = self.fair_torch(torch_forward_call(X, problem, relu), holder)
+                if unfused_out is not None:
+                    def unfused(nthreads=nthreads):
+                        bnbw_native.batchnorm_training_forward(
+                            x, run_mean, run_var, gamma, beta, out=unfused_out,
+                            num_threads=nthreads, **kw)
+                        torch.relu_(unfused_dst)
+                        holder["unfused"] = unfused_out
+                    fns["unfused"] = unfused
+            if "torch-alloc" in self.peers:
+                allocating = torch_forward_call(X, problem, relu)
+                fns["torch-alloc"] = lambda: holder.__setitem__("torch-alloc", allocating())
+            if "numpy" in self.peers:
+                fns["numpy"] = lambda: holder.__setitem__("numpy", numpy_f32_forward(
+                    x, run_mean, run_var, gamma, beta, EPSILON, MOMENTUM, data_format, relu))
+            if "reference" in self.peers:
+                fns["reference"] = lambda: reference_forward(x, run_mean, run_var, gamma, beta,
+                                                             fuse_relu=relu, **kw)
+            times, onednn_call = self.timed(fns, nthreads, known, tr["dx_bytes"], lambda: (
+                self.onednn_forward_build(problem, layout, arrays, relu, onednn_state)))
+
+            rows = self.case_rows(problem, layout, formula, nthreads, tr, times, onednn_state,
+                                  outs, lambda row, name: self.check_forward_row(
+                                      row, outs[name], ref, scales, gaps[name]))
+            found = {}
+            for name in ("torch", "torch-alloc"):
+                if name in holder:
+                    found[name] = forward_errors(torch_forward_result(holder.pop(name), x,
+                                                                      layout), ref, scales)
+            for name in ("unfused", "numpy"):
+                if name in holder:
+                    found[name] = forward_errors(holder.pop(name), ref, scales)
+            if onednn_call is not None:
+                dst, mean, var = onednn_call.out
+                found["onednn"] = forward_errors((dst, None, None, mean, var), ref, scales)
+            self.judge_peers(rows, found, problem["dtype_key"], where)
+            self.publish(rows, onednn_call)
+
+    def onednn_forward_build(self, problem, layout, arrays, relu, state):
+        """oneDNN's training forward on this case's x, into arrays of its own (y, the batch
+        mean and variance), or None."""
+        x = arrays["x"]
+        C = problem["shape"][1]
+        out = (arrange(np.zeros(problem["shape"], x.dtype), layout, np.nan)[0],
+               np.zeros(C, np.float32), np.zeros(C, np.float32))
+        call = self.onednn_try(state, lambda: onednn_peer.Forward(
+            self.onednn, x, problem["gamma"], problem["beta"], out, epsilon=EPSILON,
+            data_format=arrays["data_format"], relu=relu))
+        if call is not None:
+            call.out = out
+            state.setdefault("impl", call.impl)
+        return call
 
     # -- rows and checks -----------------------------------------------------------------------
 
@@ -546,11 +719,20 @@ class Runner:
     def check_row(self, row, out, ref, scales, problem, dx_gaps):
         result = tuple(out) + (None,) * (3 - len(out))
         row.err = errors(result, ref, scales, problem, len(out))
+        self.verdict(row, dx_gaps, "diff_src")
+
+    def check_forward_row(self, row, out, ref, scales, dst_gaps):
+        row.err = forward_errors(out, ref, scales)
+        self.verdict(row, dst_gaps, "dst")
+
+    def verdict(self, row, gaps, what):
+        """Fail the row (print it, raise CheckFailed) when its errors exceed the tolerance or
+        the call wrote between the elements of a strided output (`gaps`, NaN before)."""
         problems = []
         if not within(row.err, row.dtype):
             problems.append(f"errors {row.err} above tolerance {TOLERANCE[row.dtype]}")
-        if dx_gaps is not None and dx_gaps.size and not np.isnan(dx_gaps).all():
-            problems.append("wrote between the elements of a strided diff_src")
+        if gaps is not None and gaps.size and not np.isnan(gaps).all():
+            problems.append(f"wrote between the elements of a strided {what}")
         if problems:
             row.check = "FAIL"
             self.echo(self.format(row))

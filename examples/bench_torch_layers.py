@@ -6,93 +6,55 @@
 
 Pairs: BatchNorm vs torch.nn.BatchNorm2d, and BatchNormReLU vs
 torch.nn.Sequential(BatchNorm2d, ReLU()) (and with ReLU(inplace=True)), in NCHW and
-channels-last.  Every round times each layer `--reps` times and keeps its best; the layers
-take turns within a round, so a busy machine slows them alike.  Printed: the median over
-rounds of those bests, the best of all, and torch's time over ours for both (> 1: ours is
-faster).  The interquartile spread over rounds says how noisy the run was.
+channels-last.  The timing is the benchmark's (bench/torch_layers.py, the same rows as
+`python bench/run.py --layers`): the layers of a case take turns round by round, each round
+one sample per layer (a batch of steps when a step is shorter than 2 ms), so a busy machine
+slows them alike.  Printed: the median step time and the fastest sample, and torch's time over
+ours for both (> 1: ours is faster); the spread (interquartile range over median) says how
+noisy the run was.  `--rounds N` takes exactly N rounds; without it each layer gets about
+0.3 s per case.  Ours is checked against torch's layer (y and the three gradients) first.
 """
 import argparse
-import statistics
-import time
+import pathlib
+import sys
 
-import torch
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))     # the benchmark's modules, beside examples/ in a checkout
 
-import bnbw_native
-from bnbw_native.autograd import BatchNorm, BatchNormReLU
-
-SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14)]
-
-
-def step(layer, x, dy):
-    def run():
-        leaf = x.detach().requires_grad_()
-        layer(leaf).backward(dy)
-    return run
-
-
-def measure(cases, rounds, reps):
-    for run in cases.values():
-        run()                                    # warm-up: allocations, first calls
-    best = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, run in cases.items():
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            best[name].append(min(times) * 1e3)
-    return best
-
-
-def spread(values):
-    q = statistics.quantiles(values, n=4)
-    return (q[2] - q[0]) / statistics.median(values)
+import timing  # noqa: E402
+import torch_layers  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="exactly this many interleaved rounds per case")
     parser.add_argument("--quick", action="store_true", help="one tiny shape, 3 rounds")
     args = parser.parse_args()
-    shapes = SHAPES
+    shapes = torch_layers.SHAPES
     if args.quick:
-        shapes, args.rounds = [(8, 16, 10, 10)], 3
-    print("ms per training step: median of round bests / best of all; x = torch / ours")
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        bnbw_native.set_num_threads(threads)
-        for shape in shapes:
-            for fmt, fmt_name in ((torch.contiguous_format, "NCHW"),
-                                  (torch.channels_last, "channels-last")):
-                g = torch.Generator().manual_seed(0)
-                x = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
-                dy = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
-                c = shape[1]
-                pairs = {
-                    "BatchNorm": (BatchNorm(c), torch.nn.BatchNorm2d(c)),
-                    "BatchNormReLU": (BatchNormReLU(c), torch.nn.Sequential(
-                        torch.nn.BatchNorm2d(c), torch.nn.ReLU())),
-                    "BatchNormReLU/inplace": (None, torch.nn.Sequential(
-                        torch.nn.BatchNorm2d(c), torch.nn.ReLU(inplace=True))),
-                }
-                cases = {}
-                for name, (ours, ref) in pairs.items():
-                    if ours is not None:
-                        cases[f"{name} ours"] = step(ours, x, dy)
-                    cases[f"{name} torch"] = step(ref, x, dy)
-                best = measure(cases, args.rounds, args.reps)
-                noise = max(spread(v) for v in best.values()) if args.rounds >= 2 else 0.0
-                print(f"\n{threads} thread(s), {shape}, {fmt_name} (max spread {noise:.0%})")
-                for name in pairs:
-                    ours = best[f"{name.split('/')[0]} ours"]
-                    ref = best[f"{name} torch"]
-                    med_o, med_r = statistics.median(ours), statistics.median(ref)
-                    print(f"  {name:22s} ours {med_o:7.3f} / {min(ours):7.3f}   torch "
-                          f"{med_r:7.3f} / {min(ref):7.3f}   x {med_r / med_o:.2f} / "
-                          f"{min(ref) / min(ours):.2f}")
+        shapes, args.rounds = torch_layers.QUICK_SHAPES, args.rounds or 3
+    protocol = timing.FULL if args.rounds is None else timing.Protocol(
+        target=0.0, min_rounds=args.rounds, min_rounds_peer=args.rounds,
+        max_rounds=args.rounds)
+    print("ms per training step: median / fastest sample; x = torch / ours")
+    case = []
+
+    def echo(row):
+        if not case or case[-1][0] != (row.threads, row.shape, row.memory_format):
+            case.append(((row.threads, row.shape, row.memory_format), []))
+        rows = case[-1][1]
+        rows.append(row)
+        if len(rows) == len(torch_layers.PAIRS):
+            print(f"\n{row.threads} thread(s), {row.shape}, {row.memory_format} "
+                  f"(max spread {torch_layers.noise(rows):.0%})")
+            for r in rows:
+                print(f"  {r.layer:22s} ours {r.ours_ms:7.3f} / {r.ours_min_ms:7.3f}   torch "
+                      f"{r.torch_ms:7.3f} / {r.torch_min_ms:7.3f}   x {r.vs_torch:.2f} / "
+                      f"{r.vs_torch_min:.2f}" + (f"   {', '.join(r.notes)}" if r.notes else ""))
+
+    torch_layers.layer_rows(shapes, args.threads, protocol, echo=echo)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Smoke test of the benchmark machinery (bench/): one tiny shape, one call per measurement,
-every layout, dtype and formula, the peers (oneDNN where installed), kernel bodies, the report
-and the command line; and one shape above glibc's 32 MiB mmap ceiling, where the page faults of
-each timed call show which peers allocate.  No timing assertions."""
+every layout, dtype and formula (the backward's and the forward's), the peers (oneDNN where
+installed), kernel bodies, the report and the command line, the layer rows; and one shape above
+glibc's 32 MiB mmap ceiling, where the page faults of each timed call show which peers
+allocate.  No timing assertions."""
 import importlib.util
 import json
 import os
@@ -15,9 +16,10 @@ from bnbw_native import _config
 from conftest import BENCH_DIR as BENCH, bench_module
 
 (bandwidth, cases, checks, onednn_peer, peers, procmem, report, runner, shapes, timing,
- torch_cache) = (bench_module(name) for name in (
+ torch_cache, torch_layers) = (bench_module(name) for name in (
     "bandwidth", "cases", "checks", "onednn_peer", "peers", "procmem", "report", "runner",
-    "shapes", "timing", "torch_cache"))
+    "shapes", "timing", "torch_cache", "torch_layers"))
+
 
 TINY = {"tiny-2d": shapes.SMALL_ODD["tiny-2d"]}
 ODD = {"odd-4d": shapes.SMALL_ODD["odd-4d"]}
@@ -59,6 +61,11 @@ def test_network_groups_hold_every_batch_norm_once():
     assert not set(shapes.DEFAULT) & set(shapes.RESNET50_B50)
 
 
+def worst(errs):
+    """The largest of a peer's errors (None: an output it does not give)."""
+    return max(e for e in errs if e is not None)
+
+
 def test_every_case_produces_a_checked_row(rows):
     expected = len(cases.LAYOUTS) * len(cases.DTYPES) * len(cases.FORMULAS) * 2
     assert len(rows) == expected
@@ -73,7 +80,8 @@ def test_every_case_produces_a_checked_row(rows):
         assert (row.torch_ms is not None) == (peers.torch is not None)
         assert (row.torch_alloc_ms is not None) == (peers.torch is not None)
         relu = row.formula in cases.RELU_FORMULAS
-        assert (row.unfused_ms is not None) == (relu and peers.torch is not None)
+        unfused = relu or row.formula == "forward-relu"
+        assert (row.unfused_ms is not None) == (unfused and peers.torch is not None)
         # every timed implementation's page faults are counted (whether they stay at zero is
         # checked on a big tensor below: one call here may meet a first touch of anything)
         assert {"ours", "probe", "numpy"} <= set(row.faults_per_call), row.faults_per_call
@@ -84,10 +92,11 @@ def test_every_case_produces_a_checked_row(rows):
             assert row.vs_torch_alloc == pytest.approx(row.torch_alloc_ms / row.ours_ms)
             assert row.torch_peer.startswith("reused blocks" if TORCH_CACHE else "allocating")
             assert ("threshold_backward.grad_input" in row.torch_peer) == relu
+            assert ("torch.relu_" in row.torch_peer) == (row.formula == "forward-relu")
             if TORCH_CACHE is not None:
                 assert row.torch_new_blocks_per_call == 0, row     # every block was reused
-            assert max(row.torch_err) <= checks.SEMANTICS_LIMIT
-            assert max(row.torch_alloc_err) <= checks.SEMANTICS_LIMIT
+            assert worst(row.torch_err) <= checks.SEMANTICS_LIMIT
+            assert worst(row.torch_alloc_err) <= checks.SEMANTICS_LIMIT
         itemsize = np.dtype(cases.DTYPES[row.dtype]).itemsize
         assert row.model_bytes == ((cases.PASSES[row.formula] * itemsize
                                     + cases.MASK_PASSES[row.formula])
@@ -103,7 +112,7 @@ def test_onednn_rows_are_checked_and_name_their_implementation(rows):
             assert row.onednn_ms is None and row.vs_onednn is None
         else:
             assert row.onednn_ms > 0 and row.vs_onednn > 0
-            assert max(row.onednn_err) <= checks.SEMANTICS_LIMIT
+            assert worst(row.onednn_err) <= checks.SEMANTICS_LIMIT
     # every CPU oneDNN runs on has f32 kernels for dense tensors (halves depend on the CPU)
     dense = [r for r in rows if r.layout != "strided" and r.dtype == "f32"]
     assert all(not r.onednn_impl.startswith(("unsupported", "error")) for r in dense)
@@ -185,12 +194,20 @@ def test_network_totals_weigh_each_shape_by_its_layers(rows):
     assert total["vs_torch"] == 2 and total["onednn_ms"] is None
     assert total["torch_alloc_ms"] == 3 * 53 and total["vs_torch_alloc"] == 3
     assert report.network_totals(fake[1:]) == []          # a shape missing: no total
+    # the forward rows of the same shapes: every batch norm's forward once, a total of its own
+    forward = [replace(row, formula="forward", ours_ms=0.5, onednn_ms=1.0) for row in fake]
+    totals = {t["formula"]: t for t in report.network_totals(fake + forward)}
+    assert set(totals) == {fake[0].formula, "forward"}
+    assert totals["forward"]["ours_ms"] == 0.5 * 53 and totals["forward"]["vs_onednn"] == 2
 
 
 def test_plot_written(rows, tmp_path):
     pytest.importorskip("matplotlib")
     report.plot(rows[:8], str(tmp_path / "out.png"))
     assert (tmp_path / "out.png").stat().st_size > 0
+    both = [r for r in rows if r.dtype == "f32" and r.formula in ("training", "forward")]
+    report.plot(both, str(tmp_path / "both.png"))
+    assert (tmp_path / "both.png").stat().st_size > 0
 
 
 def test_a_wrong_result_fails_loudly(probe, monkeypatch):
@@ -360,3 +377,261 @@ def test_fair_torch_peer_takes_no_new_pages_where_allocating_torch_does(probe):
     start = procmem.minor_faults()
     call()
     assert procmem.minor_faults() - start >= 1, "the .out overload no longer allocates: use it"
+
+
+# ---- the forward rows -----------------------------------------------------------------------
+
+def test_forward_traffic_model_is_two_reads_and_one_write():
+    """x read for the statistics, read again and y written: 3 passes of the storage dtype,
+    12 B per f32 element, measured by a probe pattern of the same bytes."""
+    for formula in cases.FORWARD_FORMULAS:
+        assert cases.PASSES[formula] == 3 and cases.MASK_PASSES[formula] == 0
+        assert cases.TENSORS[formula] == 2
+        assert cases.PROBE_PATTERN[formula] == "forward"
+        assert cases.traffic(formula, "NCX", 4, 1000) == (12000, 8000, 4000)
+        assert cases.traffic(formula, "NXC", 2, 1000) == (6000, 4000, 2000)
+        assert cases.traffic(formula, "strided", 4, 1000) == (24000, 16000, 8000)
+    assert bandwidth.PROBE_BYTES_PER_ELEMENT["forward"] == 12
+    assert cases.NUM_OUTPUTS["forward"] == len(cases.OUTPUT_NAMES["forward"]) == 5
+
+
+def test_forward_probe_reads_then_writes(probe):
+    bufs = probe.buffers(4096)
+    bufs[0][:] = 2
+    bufs[2][:] = 0
+    probe.kernel("forward", bufs, 2)()           # a read-only pass, then c = 0.5 a
+    assert np.all(bufs[2] == 1) and np.all(bufs[0] == 2)
+    if probe.lib is not None:                      # the first pass really reads a
+        assert probe.lib.bw_forward(bufs[0].ctypes.data, bufs[2].ctypes.data, bufs[0].size,
+                                    1) == 2 * bufs[0].size
+
+
+def test_forward_rows_check_dst_and_every_statistic(rows):
+    forward = [r for r in rows if r.formula in cases.FORWARD_FORMULAS]
+    assert len(forward) == len(cases.LAYOUTS) * len(cases.DTYPES) * 2 * 2
+    for row in forward:
+        assert row.check == "pass" and len(row.err) == 5
+        tol_dst, tol_stats = checks.TOLERANCE[row.dtype]
+        assert row.err[0] <= tol_dst and max(row.err[1:]) <= tol_stats
+        itemsize = np.dtype(cases.DTYPES[row.dtype]).itemsize
+        assert row.model_bytes == 3 * itemsize * row.elements * cases.STRIDE_FACTOR[row.layout]
+        assert row.numpy_err is not None and None not in row.numpy_err
+        if peers.torch is not None:
+            # torch gives dst and the batch statistics; its running variance is unbiased and
+            # its momentum the reverse of ours: not compared
+            assert row.torch_err[1:3] == [None, None]
+            assert None not in (row.torch_err[0], row.torch_err[3], row.torch_err[4])
+            if row.formula == "forward-relu":
+                assert row.unfused_err[0] <= tol_dst and row.vs_unfused > 0
+        if ONEDNN is not None and row.onednn_err is not None:
+            assert row.onednn_err[1:3] == [None, None] and row.onednn_err[0] is not None
+    if ONEDNN is not None:
+        # fuse_norm_relu on a tensor with gaps is declined, as for the backward
+        declined = {r.onednn_impl for r in forward
+                    if r.layout == "strided" and r.formula == "forward-relu"}
+        assert declined == {"unsupported: fuse_norm_relu on a tensor with gaps"}
+        dense_f32 = [r for r in forward if r.layout != "strided" and r.dtype == "f32"]
+        assert all(r.onednn_ms > 0 and r.onednn_err[0] <= 10 * checks.TOLERANCE["f32"][0]
+                   for r in dense_f32)
+
+
+def test_forward_checks_use_the_forward_reference():
+    """The reference the rows are checked against is the float64 forward with our momentum
+    convention (the old statistics weighted by MOMENTUM) and the biased variance."""
+    problem = cases.make_problem("odd", ODD["odd-4d"], "f32")
+    x = problem["x"].astype(np.float64)
+    ref = peers.reference_forward(problem["x"], problem["run_mean"], problem["run_var"],
+                                  problem["gamma"], problem["beta"], epsilon=cases.EPSILON,
+                                  momentum=cases.MOMENTUM, data_format="NCX")
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+    assert np.allclose(ref[3], mean) and np.allclose(ref[4], var)
+    m = cases.MOMENTUM
+    assert np.allclose(ref[1], m * problem["run_mean"] + (1 - m) * mean)
+    assert np.allclose(ref[2], m * problem["run_var"] + (1 - m) * var)
+
+
+@pytest.mark.parametrize("which, how", [(0, "dst"), (2, "running_variance"),
+                                        (3, "batch_mean"), (None, "momentum reversed")])
+def test_a_wrong_forward_result_fails_loudly(probe, monkeypatch, which, how):
+    real = bnbw_native.batchnorm_training_forward
+
+    def wrong(*args, **kwargs):
+        if which is None:              # torch's convention passed to ours: running stats off
+            kwargs["momentum"] = 1 - kwargs["momentum"]
+        result = real(*args, **kwargs)
+        if which is not None:
+            result[which].flat[0] += 1e-2 * (1 + abs(float(result[which].flat[0])))
+        return result
+
+    monkeypatch.setattr(bnbw_native, "batchnorm_training_forward", wrong)
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NXC"],
+                        formulas=["forward"], peers=(), probe=probe, **quiet)
+    with pytest.raises(checks.CheckFailed):
+        run.run_shapes(ODD)
+    assert run.rows == []
+
+
+@pytest.mark.skipif(ONEDNN is None, reason=f"oneDNN: {onednn_peer.why_absent}")
+def test_onednn_forward_writes_y_and_the_batch_statistics():
+    problem = cases.make_problem("odd", ODD["odd-4d"], "f32")
+    arrays = cases.layout_arrays(problem, "NXC")
+    C = problem["shape"][1]
+    out = (np.full_like(arrays["x"], np.nan), np.zeros(C, np.float32), np.zeros(C, np.float32))
+    call = ONEDNN.forward(arrays["x"], problem["gamma"], problem["beta"], out,
+                          epsilon=cases.EPSILON, data_format="NXC", relu=True)
+    call()
+    ref = peers.reference_forward(arrays["x"], problem["run_mean"], problem["run_var"],
+                                  problem["gamma"], problem["beta"], epsilon=cases.EPSILON,
+                                  momentum=cases.MOMENTUM, data_format="NXC", fuse_relu=True)
+    assert np.allclose(out[0], ref[0], rtol=1e-5, atol=1e-5) and (out[0] >= 0).all()
+    assert np.allclose(out[1], ref[3], rtol=1e-5, atol=1e-6)
+    assert np.allclose(out[2], ref[4], rtol=1e-5, atol=1e-6)
+    call.close()
+
+
+@pytest.mark.skipif(TORCH_CACHE is None, reason=f"torch_cache: {torch_cache.why_absent}")
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="ASan's allocator maps and quarantines blocks its own way")
+def test_fair_torch_forward_takes_no_new_pages_where_allocating_torch_does(probe):
+    """y above glibc's 32 MiB mmap ceiling: torch's forward allocating it maps fresh pages on
+    every call; with reused blocks the timed torch forward (its ReLU in place too) faults on
+    none of them, like ours and oneDNN's."""
+    shape = (1, 9, 1024, 1024)                  # 36 MiB per f32 tensor
+    pages = 9 * 1024 * 1024 * 4 // 4096
+    procmem.release_free_heap()
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NCX", "NXC"],
+                        formulas=["forward", "forward-relu"],
+                        peers=("torch", "torch-alloc", "onednn"), probe=probe, **quiet)
+    found = run.run_shapes({"above-mmap-ceiling": shape})
+    assert [(r.layout, r.formula) for r in found] == [
+        ("NCX", "forward"), ("NCX", "forward-relu"), ("NXC", "forward"),
+        ("NXC", "forward-relu")]
+    for row in found:
+        faults = row.faults_per_call
+        assert faults["torch-alloc"] >= 0.5 * pages, (row.layout, row.formula, faults)
+        assert faults["torch"] <= 0.01 * pages and faults["ours"] <= 0.01 * pages, faults
+        assert row.formula == "forward" or faults["unfused"] <= 0.01 * pages, faults
+        if ONEDNN is not None:
+            assert faults["onednn"] <= 0.01 * pages, faults
+        assert row.torch_new_blocks_per_call == 0
+        assert not any(note.startswith("torch faults") for note in row.notes)
+        assert row.check == "pass" and row.err[0] <= checks.TOLERANCE["f32"][0]
+    # unlike the backward's, the forward's .out overload is a kernel of its own that writes in
+    # place (the JSON's torch_peer says so): the bench does not use it, but the claim holds
+    torch = peers.torch
+    problem = cases.make_problem("above-mmap-ceiling", shape, "f32")
+    (X,) = peers.torch_inputs((problem["x"],), "NCX")
+    C = shape[1]
+    out = (torch.empty_like(X), torch.empty(C), torch.empty(C))
+    call = lambda: torch.ops.aten.native_batch_norm.out(  # noqa: E731
+        X, torch.ones(C), torch.zeros(C), torch.zeros(C), torch.ones(C), True, 0.1,
+        cases.EPSILON, out=out[0], save_mean=out[1], save_invstd=out[2])
+    call()
+    start = procmem.minor_faults()
+    result = call()
+    assert procmem.minor_faults() - start <= 0.01 * pages
+    assert result[0].data_ptr() == out[0].data_ptr()
+    assert "writes into its out tensors" in run.torch_peer_info()["forward_out_overload"]
+
+
+# ---- the layer rows -------------------------------------------------------------------------
+
+needs_torch = pytest.mark.skipif(peers.torch is None, reason="torch is not importable")
+
+
+@needs_torch
+def test_layer_rows_pair_every_layer_in_both_formats():
+    found = torch_layers.layer_rows(torch_layers.QUICK_SHAPES, [1], ONE_CALL)
+    names = [name for name, _, _ in torch_layers.PAIRS]
+    assert [(r.memory_format, r.layer) for r in found] == [
+        (fmt, name) for fmt in torch_layers.FORMATS for name in names]
+    for row in found:
+        assert row.ours_ms > 0 and row.torch_ms > 0 and row.threads == 1
+        assert row.vs_torch == pytest.approx(row.torch_ms / row.ours_ms)
+        assert set(row.err) == set(torch_layers.CHECKED)
+        assert max(row.err.values()) <= 1e-4, row.err
+        assert set(row.faults_per_call) == {"ours", "torch"}
+        assert row.ours_impl.endswith(" ours") and row.torch_impl == f"{row.layer} torch"
+        line = torch_layers.format_row(row)
+        assert row.layer in line and f"{row.vs_torch:7.2f}" in line
+    # the in-place ReLU pair times ours once: the same measurement as BatchNormReLU's
+    by = {(r.memory_format, r.layer): r for r in found}
+    for fmt in torch_layers.FORMATS:
+        assert by[fmt, "BatchNormReLU/inplace"].ours_ms == by[fmt, "BatchNormReLU"].ours_ms
+
+
+@needs_torch
+def test_a_layer_that_differs_from_torch_fails_loudly(monkeypatch):
+    real = torch_layers.make_layers
+
+    def off(channels):
+        layers = real(channels)
+        with peers.torch.no_grad():
+            layers["BatchNorm ours"].weight.fill_(2.0)     # torch's weight stays 1
+        return layers
+
+    monkeypatch.setattr(torch_layers, "make_layers", off)
+    with pytest.raises(checks.CheckFailed, match="BatchNorm"):
+        torch_layers.layer_rows(torch_layers.QUICK_SHAPES, [1], ONE_CALL)
+
+
+def load_run_module():
+    spec = importlib.util.spec_from_file_location("bnbw_bench_run", BENCH / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    return run
+
+
+def test_command_line_forward_rows_and_layers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch_layers, "SHAPES", torch_layers.QUICK_SHAPES)
+    monkeypatch.setattr(timing, "FULL", ONE_CALL)
+    run = load_run_module()
+    path = tmp_path / "r.json"
+    status = run.main(["--threads", "1", "--dtypes", "f32", "--shapes", "tiny-2d",
+                       "--layouts", "NCX,strided", "--formulas", "forward,forward-relu",
+                       "--layers", "--json", str(path), "--plot", str(tmp_path / "r.png")])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "err dx|y" in printed and "forward and forward-relu 12" in printed
+    assert " forward " in printed.replace("  ", " ") and "xunfus" in printed
+    table = [line.split() for line in printed.splitlines() if line.startswith("tiny-2d")]
+    assert [(t[1], t[3]) for t in table] == [("NCX", "forward"), ("NCX", "forward-relu"),
+                                              ("strided", "forward"),
+                                              ("strided", "forward-relu")]
+    assert all(t[-1] == "pass" or "pass" in t for t in table)
+    results = json.loads(path.read_text())
+    model = results["traffic_model"]
+    assert model["forward_bytes_per_f32_element"] == 12
+    assert model["forward_relu_bytes_per_f32_element"] == 12
+    assert model["probe_pattern"]["forward"] == "forward"
+    assert results["err_outputs"]["forward"] == list(cases.OUTPUT_NAMES["forward"])
+    assert results["forward_momentum"] == cases.MOMENTUM
+    assert len(results["rows"]) == 4
+    for row in results["rows"]:
+        assert row["check"] == "pass" and len(row["err"]) == 5
+        assert row["model_bytes"] == 12 * row["elements"] * (2 if row["layout"] == "strided"
+                                                               else 1)
+        assert {"ours", "probe"} <= set(row["faults_per_call"])
+    assert any(e["formula"] == "forward" for e in results["bandwidth_per_class"])
+    assert all("forward" in e for e in results["bandwidth"])        # the probe's column
+    if peers.torch is not None:
+        assert "layer rows" in printed and "BatchNormReLU/inplace" in printed
+        assert len(results["layers"]) == 2 * len(torch_layers.PAIRS)
+        assert {"layer", "vs_torch", "ours_ms", "torch_ms", "err",
+                "faults_per_call"} <= set(results["layers"][0])
+        assert "forward" in results["torch_peer"] and "relu_" in results["rows"][1]["torch_peer"]
+    else:
+        assert results["layers"] == []
+
+
+@needs_torch
+def test_command_line_layers_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch_layers, "SHAPES", torch_layers.QUICK_SHAPES)
+    run = load_run_module()
+    path = tmp_path / "l.json"
+    assert run.main(["--quick", "--layers-only", "--threads", "1", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "layer rows" in printed and "bandwidth probes" not in printed
+    results = json.loads(path.read_text())
+    assert "rows" not in results and len(results["layers"]) == 2 * len(torch_layers.PAIRS)
+    assert all(r["vs_torch"] > 0 for r in results["layers"])

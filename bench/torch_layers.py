@@ -1,0 +1,189 @@
+"""Training-step rows of the PyTorch layers: a forward and a backward of bnbw_native.autograd's
+BatchNorm and BatchNormReLU against torch.nn.BatchNorm2d and BatchNorm2d + ReLU, the only place
+that times them (`bench/run.py --layers` and examples/bench_torch_layers.py both call
+`layer_rows`).
+
+Pairs, in NCHW and channels-last, at each shape and thread count:
+    BatchNorm              ours BatchNorm        vs torch.nn.BatchNorm2d
+    BatchNormReLU          ours BatchNormReLU    vs Sequential(BatchNorm2d, ReLU())
+    BatchNormReLU/inplace  ours BatchNormReLU    vs Sequential(BatchNorm2d, ReLU(inplace=True))
+One step is `layer(x.detach().requires_grad_()).backward(dy)`: the forward in training mode
+(batch statistics, running statistics updated), the backward to x, weight and bias.  The five
+steps of a case are timed interleaved, round by round, by timing.measure (the protocol of every
+bench row), with the page faults of each timed step counted; both sides allocate their
+tensors through torch's own allocator, as a training loop does.  Before the timing, one step
+of each side on the same x and dy is compared: y, x.grad, weight.grad and bias.grad of ours
+against torch's.
+
+Threads: torch.set_num_threads(n), restored afterwards; our layers follow torch's count
+(num_threads=None reads torch.get_num_threads() at every call).
+"""
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from checks import PEER_SLACK, SEMANTICS_LIMIT, TOLERANCE, CheckFailed, relative_error
+from procmem import minor_faults
+from timing import measure
+
+try:
+    import torch
+except ImportError:      # the layer rows need torch
+    torch = None
+
+SHAPES = ((32, 64, 56, 56), (32, 256, 14, 14))    # ResNet-50's conv2 and conv4 batch norms
+QUICK_SHAPES = ((8, 16, 10, 10),)
+FORMATS = ("NCHW", "channels-last")
+# (name, our layer class, torch's ReLU after its BatchNorm2d: None, "ReLU" or "ReLU/inplace")
+PAIRS = (("BatchNorm", "BatchNorm", None),
+         ("BatchNormReLU", "BatchNormReLU", "ReLU"),
+         ("BatchNormReLU/inplace", "BatchNormReLU", "ReLU/inplace"))
+CHECKED = ("y", "x.grad", "weight.grad", "bias.grad")
+
+
+@dataclass
+class LayerRow:
+    layer: str                 # a PAIRS name
+    shape: tuple
+    memory_format: str         # NCHW or channels-last
+    threads: int
+    ours_ms: float             # median ms per training step
+    torch_ms: float
+    vs_torch: float            # torch's median / ours (> 1: ours is faster)
+    ours_min_ms: float
+    torch_min_ms: float
+    vs_torch_min: float        # torch's fastest step / ours
+    ours_iqr_ms: float
+    torch_iqr_ms: float
+    ours_impl: str             # the timing names of the two steps
+    torch_impl: str
+    err: dict = field(default_factory=dict)   # {CHECKED name: ours against torch's}
+    faults_per_call: dict = None  # {"ours": .., "torch": ..}: page faults per timed step
+    notes: list = field(default_factory=list)
+    load1: float = None
+
+
+def step(layer, x, dy):
+    """One training step of `layer`: forward on a fresh leaf, backward of dy."""
+    def run():
+        leaf = x.detach().requires_grad_()
+        layer(leaf).backward(dy)
+    return run
+
+
+def make_layers(channels):
+    """{timing name: module}: ours (BatchNorm, BatchNormReLU) and torch's three."""
+    from bnbw_native.autograd import BatchNorm, BatchNormReLU
+    ours = {"BatchNorm": BatchNorm, "BatchNormReLU": BatchNormReLU}
+    nn = torch.nn
+    relu = {None: (), "ReLU": (nn.ReLU(),), "ReLU/inplace": (nn.ReLU(inplace=True),)}
+    layers = {}
+    for name, our_class, after in PAIRS:
+        layers.setdefault(f"{our_class} ours", ours[our_class](channels))
+        layers[f"{name} torch"] = (nn.Sequential(nn.BatchNorm2d(channels), *relu[after])
+                                   if after else nn.BatchNorm2d(channels))
+    return layers
+
+
+def outputs(layer, x, dy):
+    """y, x.grad, weight.grad, bias.grad of one step (parameter gradients cleared first)."""
+    layer.zero_grad(set_to_none=True)
+    leaf = x.detach().requires_grad_()
+    y = layer(leaf)
+    y.backward(dy)
+    params = [p for p in layer.parameters()]
+    return [y.detach(), leaf.grad] + [p.grad for p in params[:2]]
+
+
+def compare(ours, theirs, x, dy):
+    """{CHECKED name: max |ours - torch's| / max |torch's|} over one step of each."""
+    return {name: relative_error(a.float().numpy(), b.double().numpy())
+            for name, a, b in zip(CHECKED, outputs(ours, x, dy), outputs(theirs, x, dy))}
+
+
+def case_inputs(shape, memory_format):
+    g = torch.Generator().manual_seed(0)
+    fmt = torch.channels_last if memory_format == "channels-last" else torch.contiguous_format
+    x = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
+    dy = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
+    return x, dy
+
+
+def layer_rows(shapes, threads, protocol, echo=None):
+    """LayerRows for every thread count, shape, memory format and pair (PAIRS order), each
+    case's five steps timed interleaved with `protocol`; `echo(row)` after each row.  Raises
+    CheckFailed when ours differs from torch's layer beyond checks.SEMANTICS_LIMIT; a row
+    beyond PEER_SLACK x the f32 tolerance gets a note."""
+    if torch is None:
+        raise ImportError("the layer rows need torch")
+    rows = []
+    was = torch.get_num_threads()
+    try:
+        for nthreads in threads:
+            torch.set_num_threads(nthreads)
+            for shape in shapes:
+                for memory_format in FORMATS:
+                    x, dy = case_inputs(shape, memory_format)
+                    layers = make_layers(shape[1])
+                    errs = {name: compare(layers[f"{ours} ours"], layers[f"{name} torch"], x, dy)
+                            for name, ours, _ in PAIRS}
+                    for layer in layers.values():
+                        layer.zero_grad(set_to_none=True)
+                    fns = {name: step(layer, x, dy) for name, layer in layers.items()}
+                    times = measure(fns, protocol, subjects=tuple(fns),
+                                    count=lambda: {"faults": minor_faults()})
+                    for name, ours, _ in PAIRS:
+                        row = make_row(name, shape, memory_format, nthreads, times,
+                                       f"{ours} ours", f"{name} torch", errs[name])
+                        rows.append(row)
+                        if echo is not None:
+                            echo(row)
+    finally:
+        torch.set_num_threads(was)
+    return rows
+
+
+def make_row(name, shape, memory_format, nthreads, times, ours, theirs, errs):
+    o, t = times[ours], times[theirs]
+    row = LayerRow(
+        layer=name, shape=tuple(shape), memory_format=memory_format, threads=nthreads,
+        ours_ms=o["median"] * 1e3, torch_ms=t["median"] * 1e3,
+        vs_torch=t["median"] / o["median"], ours_min_ms=o["min"] * 1e3,
+        torch_min_ms=t["min"] * 1e3, vs_torch_min=t["min"] / o["min"],
+        ours_iqr_ms=(o["q3"] - o["q1"]) * 1e3, torch_iqr_ms=(t["q3"] - t["q1"]) * 1e3,
+        ours_impl=ours, torch_impl=theirs, err=errs,
+        faults_per_call={who: (times[n].get("per_call") or {}).get("faults")
+                         for who, n in (("ours", ours), ("torch", theirs))},
+        load1=os.getloadavg()[0])
+    worst = max(errs.values())
+    where = f"{name} {tuple(shape)} {memory_format} threads={nthreads}"
+    if not worst <= SEMANTICS_LIMIT:
+        raise CheckFailed(f"layer {where}: ours differs from torch's by {worst:.2g} "
+                          f"({errs})")
+    if worst > PEER_SLACK * TOLERANCE["f32"][0]:
+        row.notes.append(f"err {worst:.0e}")
+    return row
+
+
+HEADER = (f"{'thr':>3} {'shape':<18} {'format':<13} {'layer':<22} {'ours ms':>9} "
+          f"{'torch ms':>9} {'x torch':>7} {'(min)':>6} {'err':>8} {'faults o/t':>11}")
+
+
+def format_row(row):
+    faults = row.faults_per_call or {}
+    count = "/".join("-" if faults.get(w) is None else f"{faults[w]:.0f}"
+                     for w in ("ours", "torch"))
+    return (f"{row.threads:>3} {str(row.shape):<18} {row.memory_format:<13} {row.layer:<22} "
+            f"{row.ours_ms:9.3f} {row.torch_ms:9.3f} {row.vs_torch:7.2f} "
+            f"{row.vs_torch_min:6.2f} {max(row.err.values()):8.1e} {count:>11}"
+            + (" " + ",".join(row.notes) if row.notes else ""))
+
+
+def spread(row):
+    """The larger interquartile range over median of the row's two steps (how noisy)."""
+    return max(row.ours_iqr_ms / row.ours_ms, row.torch_iqr_ms / row.torch_ms)
+
+
+def noise(rows):
+    return float(np.max([spread(r) for r in rows])) if rows else 0.0
