@@ -57,12 +57,19 @@
 #define BNBW__HAS_BUILTIN(x) 0
 #endif
 
-/* GNU C vectors: the compiler has them, evaluates f32 and f64 operations in their own types
- * (FLT_EVAL_METHOD 0: the exact f64 sums and the half conversions below rely on it), and was
- * not asked for the plain C layer. */
+/* f64 operations round to f64 (FLT_EVAL_METHOD 0 or 1; not 2, x87's extended precision, where
+ * the error term of an f64 sum is not exact): the fmaf emulation relies on it. */
+#if defined(FLT_EVAL_METHOD) && (FLT_EVAL_METHOD == 0 || FLT_EVAL_METHOD == 1)
+#define BNBW__IEEE_DOUBLE 1
+#else
+#define BNBW__IEEE_DOUBLE 0
+#endif
+
+/* GNU C vectors: the compiler has them, f64 arithmetic is IEEE double, and the plain C layer
+ * was not asked for. */
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(BNBW_PORTABLE_SCALAR)                \
     && BNBW__HAS_BUILTIN(__builtin_convertvector) && BNBW__HAS_BUILTIN(__builtin_shufflevector) \
-    && defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0 && defined(__BYTE_ORDER__)
+    && BNBW__IEEE_DOUBLE && defined(__BYTE_ORDER__)
 #define BNBW__GNU_VECTORS 1
 #define BNBW_INLINE static inline __attribute__((always_inline))
 #else
@@ -70,8 +77,10 @@
 #define BNBW_INLINE static inline
 #endif
 
-/* An FMA instruction for f32: fmaf is that instruction, and a lane loop of them vectorises. */
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__FP_FAST_FMAF) || defined(FP_FAST_FMAF)
+/* An FMA instruction for f32: fmaf is that instruction, and a lane loop of them vectorises.
+ * BNBW_PORTABLE_EMULATED_FMA takes the emulation anyway (tests/portable/ checks it everywhere). */
+#if !defined(BNBW_PORTABLE_EMULATED_FMA)                                                       \
+    && (defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__FP_FAST_FMAF) || defined(FP_FAST_FMAF))
 #define BNBW__FMA_INSTRUCTION 1
 #else
 #define BNBW__FMA_INSTRUCTION 0
@@ -105,7 +114,7 @@ static inline float v__fmaf_exact(float a, float b, float c)
  * IEEE double (elsewhere, libm's fmaf). */
 static inline float v__fmaf(float a, float b, float c)
 {
-#if BNBW__FMA_INSTRUCTION || !(defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0)
+#if BNBW__FMA_INSTRUCTION || !BNBW__IEEE_DOUBLE
     return fmaf(a, b, c);
 #else
     return v__fmaf_exact(a, b, c);
