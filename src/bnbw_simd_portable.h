@@ -216,11 +216,11 @@ BNBW_INLINE v__d2 v__sum_to_odd(v__d2 p, v__d2 c)
 
 /* 16 lanes of a * b + c rounded once.  a * b is exact in f64, so rounding p + c to f64 and then
  * to f32 gives the right bits unless the f64 sum s lands on a point where the f32 rounding
- * turns (then which side p + c lay on was lost): a midpoint between two normal floats, the 29
- * bits f64 has beyond f32 being 1 followed by 28 zeros (in the low 32 bits of s); or anything
- * that rounds to an f32 subnormal, 0 or +-2^-126 (|r| <= 2^-126: fewer bits, other points).
+ * turns (then which side of it p + c lay was lost): a midpoint between two normal floats, the
+ * 29 bits f64 has beyond f32 being 1 and 28 zeros (in the low 32 bits of s); or, below 2^-126,
+ * where f32 has fewer bits and other midpoints, any s but 0 (s is 0 only when p + c is).
  * Anywhere else s and p + c lie strictly on the same side of every such point.  A vector with
- * such a lane - about 2^-29 of random sums - takes the sums rounded to odd instead. */
+ * a doubtful lane - about 2^-29 of random sums - takes the sums rounded to odd instead. */
 BNBW_INLINE vf vf_fma(vf a, vf b, vf c)
 {
     vf r;
@@ -232,13 +232,20 @@ BNBW_INLINE vf vf_fma(vf a, vf b, vf c)
         v__widen(c.q[k], &cl, &ch);
         const v__d2 lo = al * bl + cl, hi = ah * bh + ch;
         r.q[k] = v__narrow(lo, hi);
+        /* the low and the high 32 bits of the 4 sums */
 #if V__LITTLE
         const v__i4 low = __builtin_shufflevector((v__i4)lo, (v__i4)hi, 0, 2, 4, 6);
+        const v__i4 high = __builtin_shufflevector((v__i4)lo, (v__i4)hi, 1, 3, 5, 7);
 #else
         const v__i4 low = __builtin_shufflevector((v__i4)lo, (v__i4)hi, 1, 3, 5, 7);
+        const v__i4 high = __builtin_shufflevector((v__i4)lo, (v__i4)hi, 0, 2, 4, 6);
 #endif
         doubt |= (v__i4)((low & 0x1fffffff) == 0x10000000);
-        doubt |= (v__i4)(0x00800001 > ((v__i4)r.q[k] & 0x7fffffff));
+        /* 0 < |s| < 2^-126: the magnitude's high bits m in [1, 897 << 20), moved by
+           0x7fffffff to [INT32_MIN, INT32_MIN + (897 << 20) - 1) (and m = 0 to INT32_MAX) so
+           that one signed comparison tells */
+        const v__i4 m = (v__i4)(((v__u4)high & 0x7fffffffu) + 0x7fffffffu);
+        doubt |= (v__i4)((INT32_MIN + (897 << 20) - 1) > m);
     }
     const v__l2 any = (v__l2)doubt;
     if (__builtin_expect((any[0] | any[1]) != 0, 0)) {

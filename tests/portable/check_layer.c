@@ -56,14 +56,16 @@ static uint64_t next64(void)
     return z ^ (z >> 31);
 }
 static uint32_t next32(void) { return (uint32_t)(next64() >> 32); }
-/* a float with the given unbiased exponent (clamped to the finite range), a random
- * significand and sign */
+/* a float in [2^exponent, 2^(exponent + 1)) (the exponent clamped to [-149, 127]: subnormal
+ * binades too), a random significand and sign */
 static float random_float(int exponent)
 {
     uint32_t m = next32() & 0x7fffff, s = next32() & 0x80000000u;
     int e = exponent + 127;
-    if (e <= 0)
-        return float_of(s | (m >> (1 - e < 24 ? 1 - e : 23)));   /* a subnormal */
+    if (e <= 0) {                  /* a subnormal: the leading bit 1 - e places down */
+        int shift = 1 - e > 23 ? 23 : 1 - e;
+        return float_of(s | (0x800000u | m) >> shift);
+    }
     if (e >= 255)
         e = 254;
     return float_of(s | (uint32_t)e << 23 | m);
