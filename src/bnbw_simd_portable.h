@@ -370,36 +370,44 @@ BNBW_INLINE v__h8 v__pack_low(v__u4 a, v__u4 b)
 
 /* f16 bits (low half of each lane) as f32 bits, as bnbw_f16_to_f32: normal halves rebias the
  * exponent (+112), infinities and NaNs get the f32 exponent 255 with the payload kept (never
- * quieted), subnormal halves are their 10-bit integer times 2^-24 (exact in f32). */
+ * quieted), subnormal halves are their 10-bit integer times 2^-24 (exact in f32; no subnormal
+ * f32 on the way, so flushing them to zero - DAZ, FTZ - changes nothing). */
 BNBW_INLINE v__u4 v__f16_bits_to_f32(v__u4 h)
 {
     const v__u4 sign = (h & 0x8000u) << 16, mag = h & 0x7fffu;
     v__u4 bits = (mag << 13) + 0x38000000u;
-    bits += (v__u4)((v__i4)mag >= 0x7c00) & 0x38000000u;
-    const v__u4 sub = (v__u4)((v__i4)mag < 0x0400);
+    bits += (v__u4)((v__i4)mag > 0x7bff) & 0x38000000u;     /* >: one comparison */
+    const v__u4 sub = (v__u4)(0x0400 > (v__i4)mag);
     const v__u4 small = (v__u4)(__builtin_convertvector((v__i4)mag, v__f4) * 0x1p-24f);
     return ((bits & ~sub) | (small & sub)) | sign;
 }
 
-/* f32 bits as f16 bits (low half of each lane), as bnbw_f32_to_f16: NaNs keep the top of their
- * payload (made nonzero), 65520 and above go to infinity, normal halves round 13 bits off to
- * nearest even (a carry moves into the exponent, as it should); below 2^-14 the magnitude plus
- * 0.5f rounds it to a multiple of 2^-24 (0.5f's unit) in one IEEE addition, whose bits less
- * those of 0.5f are the half's. */
-BNBW_INLINE v__u4 v__f32_bits_to_f16(v__u4 x)
+/* f32 bits as f16 bits (low half of each lane), as bnbw_f32_to_f16.  Normal halves round 13 bits
+ * off to nearest even (a carry moves into the exponent, as it should, up to infinity; larger
+ * magnitudes give larger values, clamped to infinity); below 2^-14 the magnitude plus 0.5f
+ * rounds it to a multiple of 2^-24 (0.5f's unit) in one IEEE addition, whose bits less those of
+ * 0.5f are the half's.  NaNs - rare, so looked for once per call - keep the top of their
+ * payload, made nonzero. */
+BNBW_INLINE v__u4 v__f32_bits_to_f16(v__u4 x, v__i4 *any_nan)
 {
-    const v__u4 sign = (x >> 16) & 0x8000u;
-    const v__i4 a = (v__i4)(x & 0x7fffffffu);
-    const v__u4 ua = (v__u4)a;
+    const v__u4 ua = x & 0x7fffffffu;
+    const v__i4 a = (v__i4)ua;
     const v__u4 normal = (ua - 0x38000000u + 0xfffu + ((ua >> 13) & 1u)) >> 13;
     const v__u4 small = (v__u4)((v__f4)ua + 0.5f) - 0x3f000000u;
-    const v__u4 m = (ua >> 13) & 0x3ffu;
-    const v__u4 nan = 0x7c00u | m | ((v__u4)(m == 0u) & 1u);
-    const v__u4 is_small = (v__u4)(a < 0x38800000), is_normal = (v__u4)(a < 0x477ff000);
-    const v__u4 is_nan = (v__u4)(a > 0x7f800000);
-    v__u4 r = (small & is_small) | (normal & ~is_small & is_normal);
-    r |= (0x7c00u & ~is_normal & ~is_nan) | (nan & is_nan);
-    return r | sign;
+    const v__u4 is_small = (v__u4)(0x38800000 > a), is_big = (v__u4)(a > 0x477fffff);
+    v__u4 r = (small & is_small) | (normal & ~is_small);
+    r = (r & ~is_big) | (0x7c00u & is_big);
+    *any_nan |= (v__i4)(a > 0x7f800000);
+    return r | ((x >> 16) & 0x8000u);
+}
+
+/* ... the NaN lanes of x given their bits (r: the other lanes' bits). */
+BNBW_INLINE v__u4 v__f16_nans(v__u4 x, v__u4 r)
+{
+    const v__u4 is_nan = (v__u4)((v__i4)(x & 0x7fffffffu) > 0x7f800000);
+    const v__u4 m = (x >> 13) & 0x3ffu;
+    const v__u4 nan = 0x7c00u | m | ((v__u4)(m == 0u) & 1u) | ((x >> 16) & 0x8000u);
+    return (r & ~is_nan) | (nan & is_nan);
 }
 
 /* f32 bits as bf16 bits (low half of each lane), as bnbw_f32_to_bf16: nearest even on the low 16
@@ -460,17 +468,18 @@ BNBW_INLINE void v__store16(void *p, vf a, int dt)
         vf_storeu((float *)p, a);
         return;
     }
-    for (int k = 0; k < 2; ++k) {
-        v__u4 lo = (v__u4)a.q[2 * k], hi = (v__u4)a.q[2 * k + 1];
-        if (dt == BNBW_BF16) {
-            lo = v__f32_bits_to_bf16(lo);
-            hi = v__f32_bits_to_bf16(hi);
-        } else {
-            lo = v__f32_bits_to_f16(lo);
-            hi = v__f32_bits_to_f16(hi);
-        }
-        v__store_h8((char *)p + 16 * k, v__pack_low(lo, hi));
+    v__u4 r[4];
+    if (dt == BNBW_BF16) {
+        V__Q(k) r[k] = v__f32_bits_to_bf16((v__u4)a.q[k]);
+    } else {
+        v__i4 any_nan = {0, 0, 0, 0};
+        V__Q(k) r[k] = v__f32_bits_to_f16((v__u4)a.q[k], &any_nan);
+        const v__l2 any = (v__l2)any_nan;
+        if (__builtin_expect((any[0] | any[1]) != 0, 0))
+            V__Q(k) r[k] = v__f16_nans((v__u4)a.q[k], r[k]);
     }
+    for (int k = 0; k < 2; ++k)
+        v__store_h8((char *)p + 16 * k, v__pack_low(r[2 * k], r[2 * k + 1]));
 }
 
 /* Element-order quarters as even/odd quarters (4 shuffles), and back. */
