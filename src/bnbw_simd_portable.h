@@ -12,19 +12,23 @@
  *     vf   4 vectors of 4 f32      lanes 4k..4k+3 in q[k]
  *     vd   8 vectors of 2 f64      lanes 2k, 2k+1 in p[k]
  *     vm   4 vectors of 4 int32    all bits set in a true lane, 0 in a false one
- *     Every vector is 128 bits, a register on every SIMD instruction set these kernels meet
- *     (SSE2, the x86-64 baseline; NEON; VSX; z/Architecture; LSX; RVV with fixed-length
- *     vectors), and the compiler lowers it to scalar code elsewhere.  Wider generic vectors
- *     would be split by the compiler through the stack.
+ *     Every vector is 128 bits, a register of the common SIMD instruction sets (SSE2, the
+ *     x86-64 baseline; NEON; VSX; the z vector facility), and compilers lower it to scalar
+ *     code on targets without one.  Wider generic vectors would go through the stack where the
+ *     target has no registers that wide.  Nothing here is an instruction set's intrinsic.
  *   plain C (any other compiler, or BNBW_PORTABLE_SCALAR defined)
  *     vf, vd, vm   arrays of 16 lanes, each operation a loop over the lanes.
+ * tests/portable/check_layer.c checks both, and tests/test_digests.py the kernels built on
+ * them, against the same recorded results.
  *
  * The arithmetic.  Every lane operation is one IEEE operation of its type, rounded to nearest
  * even; FP contraction is off (-ffp-contract=off), so a * b + c rounds twice unless written as
  * vf_fma.  vf_fma is fmaf: a * b + c rounded once.  Where the target has an FMA instruction
  * (BNBW__FMA_INSTRUCTION) it is that instruction; elsewhere (the x86-64 baseline, where fmaf is
- * a libm call) it is computed exactly in f64 (v__fmaf below, and tests/portable/ checks it
- * against fmaf).
+ * a libm call) it is computed exactly in f64: v__fmaf_exact below says how, vf_fma does the
+ * same 16 lanes at a time with a fast path, and tests/portable/ checks both against fmaf.
+ * The floating-point environment is the default one (round to nearest, no flushing of
+ * subnormals), as for every other operation of the kernels.
  *
  * Rows.  v_load(row, i, step, dt, eo) reads elements i..i+15 of a row of storage type dt whose
  * element e lies at row + e * step elements; eo = 0 puts element i + l in lane l, eo = 1 the
