@@ -11,21 +11,25 @@ every form the layer takes on this machine: GNU C vectors, the plain C fallback
 (BNBW_PORTABLE_EMULATED_FMA); and, where a cross compiler and qemu-user are installed, for
 other targets (little- and big-endian).  The checker prints the first differences it meets.
 """
+import os
 import platform
+import shlex
 import shutil
 import subprocess
-from pathlib import Path
+import sysconfig
 
 import pytest
 
-from cext import ROOT, c_compiler
+from cext import ROOT
 
 SOURCE = ROOT / "tests" / "portable" / "check_layer.c"
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wextra"]
 
-CC = c_compiler()
-pytestmark = pytest.mark.skipif(CC is None or not SOURCE.exists() or not (ROOT / "src").is_dir(),
-                                reason="needs a C compiler and the source tree (src/, tests/portable/)")
+# the C compiler as a command line, read as setup.py reads it ($CC may be "ccache gcc")
+CC = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+pytestmark = pytest.mark.skipif(
+    shutil.which(CC[0]) is None or not SOURCE.exists() or not (ROOT / "src").is_dir(),
+    reason="needs a C compiler and the source tree (src/, tests/portable/)")
 
 VARIANTS = {
     "vectors": [],
@@ -35,6 +39,7 @@ VARIANTS = {
 
 
 def build(tmp_path, cc, extra, name="check_layer"):
+    """check_layer.c compiled by the command `cc` with the package's flags and `extra`."""
     exe = tmp_path / name
     done = subprocess.run([*cc, *FLAGS, *extra, "-I", str(ROOT / "src"), str(SOURCE), "-o",
                            str(exe), "-lm"], capture_output=True, text=True, timeout=600)
@@ -51,7 +56,7 @@ def run(command, timeout=600):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_layer_gives_the_scalar_bits(tmp_path, variant):
-    out = run([build(tmp_path, [CC], VARIANTS[variant])])
+    out = run([build(tmp_path, CC, VARIANTS[variant])])
     first = out.splitlines()[0]
     # the variant is the layer that was built (a compiler without GNU C vectors gets plain C)
     if variant == "plain-c":
@@ -64,9 +69,10 @@ def test_layer_gives_the_scalar_bits(tmp_path, variant):
 def test_native_target_has_the_vector_layer(tmp_path):
     """GCC and Clang get the GNU C vector layer, not the plain C fallback, on this machine;
     on the x86-64 baseline (no FMA instruction) the fmaf emulation."""
-    out = run([build(tmp_path, [CC], [])])
-    version = subprocess.run([CC, "--version"], capture_output=True, text=True).stdout
-    if "gcc" in version.lower() or "clang" in version.lower() or "GCC" in version:
+    out = run([build(tmp_path, CC, [])])
+    program = [word for word in CC if not word.startswith("-")]
+    version = subprocess.run([*program, "--version"], capture_output=True, text=True).stdout
+    if "gcc" in version.lower() or "clang" in version.lower():
         assert out.startswith("layer: GNU C vectors")
     if platform.machine() in ("x86_64", "AMD64"):
         assert "fma: emulated" in out.splitlines()[0]
@@ -75,7 +81,7 @@ def test_native_target_has_the_vector_layer(tmp_path):
 @pytest.mark.slow
 def test_every_f32_pattern_rounds_to_halves_as_the_scalar_functions(tmp_path):
     """All 2^32 f32 patterns stored as f16 and bf16 through the vector layer (~1 minute)."""
-    run([build(tmp_path, [CC], []), "--exhaustive"], timeout=3600)
+    run([build(tmp_path, CC, []), "--exhaustive"], timeout=3600)
 
 
 CROSS = [  # (target triple, qemu-user program, extra flags)
