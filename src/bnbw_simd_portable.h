@@ -390,8 +390,9 @@ BNBW_INLINE v__u4 v__f16_bits_to_f32(v__u4 h)
  * off to nearest even (a carry moves into the exponent, as it should, up to infinity; larger
  * magnitudes give larger values, clamped to infinity); below 2^-14 the magnitude plus 0.5f
  * rounds it to a multiple of 2^-24 (0.5f's unit) in one IEEE addition, whose bits less those of
- * 0.5f are the half's.  NaNs - rare, so looked for once per call - keep the top of their
- * payload, made nonzero. */
+ * 0.5f are the half's (a subnormal f32 read as 0 gives the same 0).  NaNs - rare, so the
+ * caller looks for them once per 16 lanes (any_nan) and then calls v__f16_nans - keep the top
+ * of their payload, made nonzero. */
 BNBW_INLINE v__u4 v__f32_bits_to_f16(v__u4 x, v__i4 *any_nan)
 {
     const v__u4 ua = x & 0x7fffffffu;
