@@ -199,6 +199,7 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
             "schedule": SCHEDULE_NAMES[s.kind],
             "threads": s.nthreads,
             "sums": ("exact", "blocked", "blocked-even-odd")[s.sums],
+            "stream_dx": bool(s.stream_dx),
             "group": s.group,
             "items": s.items,
         }

@@ -98,6 +98,21 @@ def set_cache_model(l2, l3, sharers):
     cache_l2_bytes, cache_l3_bytes, cache_l3_sharers = l2, l3, sharers
 
 
+# Streaming dx: "auto" follows the rule in schedule_choose; "never" and "always" are for tests
+# and benchmarks (results never change).
+cdef int stream_policy = -1
+STREAM_POLICIES = {"auto": -1, "never": 0, "always": 1}
+
+
+def set_stream_policy(str policy):
+    """Whether f32 dx is written past the caches: "auto", "never" or "always"; returns the
+    previous policy."""
+    global stream_policy
+    previous = {v: k for k, v in STREAM_POLICIES.items()}[stream_policy]
+    stream_policy = STREAM_POLICIES[policy]
+    return previous
+
+
 cdef int64_t cache_share(int nthreads) noexcept nogil:
     """Bytes one of `nthreads` threads may keep for re-reading: half of its L2, and half of its
     part of the L3 (shared by the online CPUs, or by the threads when there are more)."""
@@ -163,6 +178,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.nthreads = nthreads if nthreads > 0 else 1
     s.sums = BNBW_EXACT_SUMS
     s.streaming = False
+    s.stream_dx = False
     s.group = 1
     s.ngroups = 0
     s.items = 0
@@ -174,6 +190,11 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         return
     s.sums = _sum_mode(p, op)
     s.streaming = 2 * itemsize(p.big_dtype) * C * p.count > cache_l2_bytes
+    # dx past the caches when the call's big tensors cannot stay in them anyway: its lines
+    # then skip the read for ownership a cached store pays
+    s.stream_dx = (dx and p.big_dtype == DT_F32 and stream_policy != 0
+                   and (stream_policy == 1 or (3 * 4 * C * p.count
+                                               > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
     if p.channel_last:
@@ -266,6 +287,7 @@ cdef void run_items(const Work *w, ItemFn item, int64_t n) noexcept nogil:
 cdef inline void io_start(const Work *w, bnbw_io *io) noexcept nogil:
     """The parts of a kernel call every row shares: storage types, which operands it has."""
     io.dt = w.p.big_dtype
+    io.stream_dx = w.s.stream_dx
     io.mask_dt = w.p.mask_dtype if w.mask != NULL else BNBW_NO_MASK
     io.mask = NULL
     io.dx = NULL

@@ -55,6 +55,7 @@ cdef extern from "bnbw_kernels.h" nogil:
         int64_t x_step, dy_step, mask_step, dx_step, dres_step
         int dt
         int mask_dt
+        int stream_dx
     ctypedef struct bnbw_run:
         int64_t count
         int64_t x, dy, mask, dx, dres

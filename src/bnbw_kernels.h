@@ -94,6 +94,7 @@ typedef struct bnbw_io {
     int64_t x_step, dy_step, mask_step, dx_step, dres_step;
     int dt;                  /* storage type of x, dy, dx, dres */
     int mask_dt;             /* dt, BNBW_BOOL, or BNBW_NO_MASK */
+    int stream_dx;           /* a hint: write f32 dx past the caches in whole 64-byte lines */
 } bnbw_io;
 
 /* A run of `count` channel-major rows of adjacent channels: row r of each operand starts

@@ -145,6 +145,50 @@ BNBW_INLINE vf k__apply(vf x, vf g, vf m, vf k1, vf k2, vf k3)
 /* Elementwise kernels read contiguous bf16 rows in the layer's cheapest lane order. */
 #define K__EO(dt, contig) (BNBW_SIMD_BF16_EVEN_ODD && (dt) == BNBW_BF16 && (contig))
 
+/* Streaming dx (io->stream_dx: the call's data outgrow the caches).  An f32 dx is written with
+ * non-temporal stores, which skip the read for ownership, in whole 64-byte lines only: a
+ * channel-major row first takes the `lead` elements up to its first line the usual way (an
+ * elementwise kernel's chunks never change a bit), a channel-last row streams when its slice
+ * starts on a line.  The last store of a kernel call is followed by a fence. */
+BNBW_INLINE int64_t k__lead(const bnbw_io *io, int64_t n, int dt, int contig)
+{
+    if (!io->stream_dx || dt != BNBW_F32 || !contig)
+        return -1;
+    const int64_t lead = (int64_t)((64 - ((uintptr_t)io->dx & 63)) & 63) / 4;
+    return lead < n ? lead : n;
+}
+BNBW_INLINE const void *k__at(const void *row, int64_t e, int dt)
+{
+    return (const char *)row + e * BNBW__ISZ(dt);
+}
+BNBW_INLINE int k__streams(const bnbw_io *io, const void *line, int dt)
+{
+    return io->stream_dx && dt == BNBW_F32 && ((uintptr_t)line & 63) == 0;
+}
+BNBW_INLINE void k__store16(void *row, int64_t i, int64_t step, vf y, int dt, int eo, int st)
+{
+    if (st)
+        vf_stream((float *)row + i, y);
+    else
+        v_store(row, i, step, y, dt, eo);
+}
+
+/* A row in chunks of 16 from `lead` (k__lead; < 0: no streaming): CHUNK(i, t, streamed). */
+#define K__ROW_CHUNKS(N, LEAD, CHUNK) do {                                                  \
+        const int64_t k_lead_ = (LEAD);                                                     \
+        int64_t k_i_ = 0;                                                                   \
+        if (k_lead_ > 0) {                                                                  \
+            CHUNK(0, k_lead_, 0);                                                           \
+            k_i_ = k_lead_;                                                                 \
+        }                                                                                   \
+        for (; k_i_ + 16 <= (N); k_i_ += 16)                                                \
+            CHUNK(k_i_, 16, k_lead_ >= 0);                                                  \
+        if (k_i_ < (N))                                                                     \
+            CHUNK(k_i_, (N) - k_i_, 0);                                                     \
+        if (k_lead_ >= 0)                                                                   \
+            v_stream_fence();                                                               \
+    } while (0)
+
 /* g written out for elements i..i+t (t <= 16), before dx, which may overwrite dy. */
 BNBW_INLINE void k__residual(const bnbw_io *io, int64_t i, int64_t t, int64_t gs, int64_t ms,
                              int64_t rs, int dt, int mdt)
@@ -161,18 +205,19 @@ BNBW_INLINE void k_apply_row(const bnbw_io *io, int64_t n, float mean, float k1,
     const int64_t rs = contig ? 1 : io->dres_step;
     const int eo = K__EO(dt, contig);
     const vf m = vf_set1(mean), a = vf_set1(k1), b = vf_set1(k2), c = vf_set1(k3);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        vf x = v_load(io->x, i, xs, dt, eo), g = k__g(io, i, gs, ms, dt, mdt, eo);
-        k__residual(io, i, 16, gs, ms, rs, dt, mdt);
-        v_store(io->dx, i, ds, k__apply(x, g, m, a, b, c), dt, eo);
-    }
-    if (i < n) {                   /* the last t < 16 elements */
-        const int64_t t = n - i;
-        vf x = v_load_part(io->x, i, t, xs, dt), g = k__g_part(io, i, t, gs, ms, dt, mdt);
-        k__residual(io, i, t, gs, ms, rs, dt, mdt);
-        v_store_part(io->dx, i, t, ds, k__apply(x, g, m, a, b, c), dt);
-    }
+#define K__CHUNK(I, T, ST) do {                                                             \
+        if ((T) == 16) {                                                                    \
+            vf x = v_load(io->x, I, xs, dt, eo), g = k__g(io, I, gs, ms, dt, mdt, eo);       \
+            k__residual(io, I, 16, gs, ms, rs, dt, mdt);                                    \
+            k__store16(io->dx, I, ds, k__apply(x, g, m, a, b, c), dt, eo, ST);              \
+        } else {                                                                            \
+            vf x = v_load_part(io->x, I, T, xs, dt), g = k__g_part(io, I, T, gs, ms, dt, mdt); \
+            k__residual(io, I, T, gs, ms, rs, dt, mdt);                                     \
+            v_store_part(io->dx, I, T, ds, k__apply(x, g, m, a, b, c), dt);                 \
+        }                                                                                   \
+    } while (0)
+    K__ROW_CHUNKS(n, k__lead(io, n, dt, contig), K__CHUNK);
+#undef K__CHUNK
 }
 
 BNBW_INLINE void k_scale_row(const bnbw_io *io, int64_t n, float k1, int dt, int mdt, int contig)
@@ -181,18 +226,19 @@ BNBW_INLINE void k_scale_row(const bnbw_io *io, int64_t n, float k1, int dt, int
     const int64_t ds = contig ? 1 : io->dx_step, rs = contig ? 1 : io->dres_step;
     const int eo = K__EO(dt, contig);
     const vf a = vf_set1(k1);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        vf g = k__g(io, i, gs, ms, dt, mdt, eo);
-        k__residual(io, i, 16, gs, ms, rs, dt, mdt);
-        v_store(io->dx, i, ds, vf_mul(a, g), dt, eo);
-    }
-    if (i < n) {
-        const int64_t t = n - i;
-        vf g = k__g_part(io, i, t, gs, ms, dt, mdt);
-        k__residual(io, i, t, gs, ms, rs, dt, mdt);
-        v_store_part(io->dx, i, t, ds, vf_mul(a, g), dt);
-    }
+#define K__CHUNK(I, T, ST) do {                                                             \
+        if ((T) == 16) {                                                                    \
+            vf g = k__g(io, I, gs, ms, dt, mdt, eo);                                        \
+            k__residual(io, I, 16, gs, ms, rs, dt, mdt);                                    \
+            k__store16(io->dx, I, ds, vf_mul(a, g), dt, eo, ST);                            \
+        } else {                                                                            \
+            vf g = k__g_part(io, I, T, gs, ms, dt, mdt);                                    \
+            k__residual(io, I, T, gs, ms, rs, dt, mdt);                                     \
+            v_store_part(io->dx, I, T, ds, vf_mul(a, g), dt);                               \
+        }                                                                                   \
+    } while (0)
+    K__ROW_CHUNKS(n, k__lead(io, n, dt, contig), K__CHUNK);
+#undef K__CHUNK
 }
 
 /* ---- channel-last rows ------------------------------------------------------------------ */
@@ -430,16 +476,20 @@ BNBW_INLINE void k_apply_rows(const bnbw_io *io, int64_t rows, int64_t n, const 
         const float *l1 = k__lane_order(k1, c0, w, c1, dt);
         const float *l2 = k__lane_order(k2, c0, w, c2, dt);
         const float *l3 = k__lane_order(k3, c0, w, c3, dt);
-        for (int64_t j = 0; j < rows; ++j)
+        for (int64_t j = 0; j < rows; ++j) {
+            const int st = k__streams(io, k__at(io->dx, j * io->dx_step + c0, dt), dt);
             for (int64_t c = 0; c < w; c += 16) {
                 vf x = K__LX(j, c0 + c), g = K__LG(j, c0 + c);
                 k__residual_rows(io, j, c0 + c, 16, dt, mdt);
-                v_store(io->dx, j * io->dx_step + c0 + c, 1,
-                        k__apply(x, g, vf_loadu(lm + c), vf_loadu(l1 + c), vf_loadu(l2 + c),
-                                 vf_loadu(l3 + c)),
-                        dt, eo);
+                k__store16(io->dx, j * io->dx_step + c0 + c, 1,
+                           k__apply(x, g, vf_loadu(lm + c), vf_loadu(l1 + c), vf_loadu(l2 + c),
+                                    vf_loadu(l3 + c)),
+                           dt, eo, st);
             }
+        }
     }
+    if (io->stream_dx)
+        v_stream_fence();
     if (n16 < n) {                 /* the last t < 16 channels */
         const int64_t t = n - n16;
         const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32);
@@ -463,13 +513,18 @@ BNBW_INLINE void k_scale_rows(const bnbw_io *io, int64_t rows, int64_t n, const 
     for (int64_t c0 = 0; c0 < n16; c0 += slice) {
         int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
         const float *l1 = k__lane_order(k1, c0, w, c1, dt);
-        for (int64_t j = 0; j < rows; ++j)
+        for (int64_t j = 0; j < rows; ++j) {
+            const int st = k__streams(io, k__at(io->dx, j * io->dx_step + c0, dt), dt);
             for (int64_t c = 0; c < w; c += 16) {
                 vf g = K__LG(j, c0 + c);
                 k__residual_rows(io, j, c0 + c, 16, dt, mdt);
-                v_store(io->dx, j * io->dx_step + c0 + c, 1, vf_mul(vf_loadu(l1 + c), g), dt, eo);
+                k__store16(io->dx, j * io->dx_step + c0 + c, 1, vf_mul(vf_loadu(l1 + c), g), dt,
+                           eo, st);
             }
+        }
     }
+    if (io->stream_dx)
+        v_stream_fence();
     if (n16 < n) {
         const int64_t t = n - n16;
         const vf a = v_load_part(k1, n16, t, 1, BNBW_F32);
@@ -576,13 +631,16 @@ BNBW_INLINE void k_normalize_row(const bnbw_io *io, int64_t n, float mean, float
     const int64_t xs = contig ? 1 : io->x_step, ds = contig ? 1 : io->dx_step;
     const int eo = K__EO(dt, contig);
     const vf m = vf_set1(mean), kv = vf_set1(k), bv = vf_set1(b);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        v_store(io->dx, i, ds, k__normalize(v_load(io->x, i, xs, dt, eo), m, kv, bv, relu), dt,
-                eo);
-    if (i < n)
-        v_store_part(io->dx, i, n - i, ds,
-                     k__normalize(v_load_part(io->x, i, n - i, xs, dt), m, kv, bv, relu), dt);
+#define K__CHUNK(I, T, ST) do {                                                             \
+        if ((T) == 16)                                                                      \
+            k__store16(io->dx, I, ds, k__normalize(v_load(io->x, I, xs, dt, eo), m, kv, bv, \
+                                                   relu), dt, eo, ST);                      \
+        else                                                                                \
+            v_store_part(io->dx, I, T, ds,                                                  \
+                         k__normalize(v_load_part(io->x, I, T, xs, dt), m, kv, bv, relu), dt); \
+    } while (0)
+    K__ROW_CHUNKS(n, k__lead(io, n, dt, contig), K__CHUNK);
+#undef K__CHUNK
 }
 
 /* Channel-last: channel c of every row adds its rows in row order (in groups of rows, as
@@ -631,13 +689,17 @@ BNBW_INLINE void k_normalize_rows(const bnbw_io *io, int64_t rows, int64_t n, co
         const float *lm = k__lane_order(mean, c0, w, cm, dt);
         const float *lk = k__lane_order(k, c0, w, ck, dt);
         const float *lb = k__lane_order(b, c0, w, cb, dt);
-        for (int64_t j = 0; j < rows; ++j)
+        for (int64_t j = 0; j < rows; ++j) {
+            const int st = k__streams(io, k__at(io->dx, j * io->dx_step + c0, dt), dt);
             for (int64_t c = 0; c < w; c += 16)
-                v_store(io->dx, j * io->dx_step + c0 + c, 1,
-                        k__normalize(K__LX(j, c0 + c), vf_loadu(lm + c), vf_loadu(lk + c),
-                                     vf_loadu(lb + c), relu),
-                        dt, eo);
+                k__store16(io->dx, j * io->dx_step + c0 + c, 1,
+                           k__normalize(K__LX(j, c0 + c), vf_loadu(lm + c), vf_loadu(lk + c),
+                                        vf_loadu(lb + c), relu),
+                           dt, eo, st);
+        }
     }
+    if (io->stream_dx)
+        v_stream_fence();
     if (n16 < n) {                 /* the last t < 16 channels */
         const int64_t t = n - n16;
         const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32), kv = v_load_part(k, n16, t, 1, BNBW_F32);

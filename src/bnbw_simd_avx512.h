@@ -409,6 +409,10 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
     }
 }
 
+/* 16 f32 values to a 64-byte aligned line with a non-temporal store (as in bnbw_simd_avx2.h) */
+BNBW_INLINE void vf_stream(float *p, vf a) { _mm512_stream_ps(p, a); }
+BNBW_INLINE void v_stream_fence(void) { _mm_sfence(); }
+
 BNBW_INLINE void v_leave(void) { _mm256_zeroupper(); }
 
 #endif /* BNBW_SIMD_AVX512_H */

@@ -928,6 +928,11 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
 
 #endif /* BNBW__GNU_VECTORS */
 
+/* 16 f32 values to a 64-byte aligned line, past the caches where a body can (non-temporal
+ * stores); here a plain store, the same bits.  v_stream_fence orders them before later stores. */
+BNBW_INLINE void vf_stream(float *p, vf a) { vf_storeu(p, a); }
+BNBW_INLINE void v_stream_fence(void) {}
+
 /* Leaving a kernel: nothing to clean up. */
 BNBW_INLINE void v_leave(void) {}
 

@@ -14,6 +14,7 @@ checked on calls whose schedule is known.
 import numpy as np
 import pytest
 
+import bnbw_native
 from bnbw_native import _arrays, _schedules, backward_reduce, batchnorm_training_backward
 from bnbw_native._onednn_graph import GRAPH
 from conftest import BF16
@@ -145,3 +146,40 @@ def test_describe_reports_threads_sums_and_temporaries():
     assert describe(x, "NCX", relu_dst=like_nhwc)["via_temp"] == []
     swapped = np.zeros((4, 3, 8, 8), bool).transpose(0, 1, 3, 2)     # H and W swapped
     assert describe(x, "NCX", relu_dst=swapped)["via_temp"] == ["relu_dst"]
+
+
+@pytest.fixture
+def stream_policy():
+    before = _schedules.set_stream_policy("auto")
+    yield _schedules.set_stream_policy
+    _schedules.set_stream_policy(before)
+
+
+@pytest.mark.parametrize("shape, data_format", CASES + [((3, 7, 5, 77), "NCX"),
+                                                       ((5, 9, 1000), "NXC")], ids=str)
+def test_streaming_dx_never_changes_a_bit(rng, stream_policy, shape, data_format):
+    """dx (and the forward's y) written past the caches in whole lines - rows peeled to a line,
+    slices that start on one - gives the bits of plain stores, on every kernel that writes:
+    training, frozen, ReLU, in place, the forward."""
+    x, dy, y, (mean, var, gamma) = _problem(rng, shape, data_format, np.float32)
+
+    def run():
+        out = [batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                           data_format=data_format, num_threads=2),
+               batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                           data_format=data_format, num_outputs=1),
+               batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                           data_format=data_format, relu_dst=y),
+               bnbw_native.batchnorm_training_forward(x, mean, var, gamma, gamma, epsilon=1e-5,
+                                                      data_format=data_format, fuse_relu=True)]
+        g = dy.copy()
+        batchnorm_training_backward(x, g, mean, var, gamma, epsilon=1e-5, data_format=data_format,
+                                    out=(g, np.empty_like(mean), np.empty_like(mean)))
+        return _bits([r for res in out for r in res if r is not None] + [g])
+
+    stream_policy("never")
+    want = run()
+    stream_policy("always")
+    assert run() == want
+    assert _arrays.describe(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, 1e-5,
+                            data_format, 1)["stream_dx"]
