@@ -7,8 +7,8 @@ The extension modules are plain Cython + C.  A build-time probe and one rule dec
   not, the build warns and goes on serial, unless ``BNBW_REQUIRE_OPENMP=1`` asks for a hard
   failure instead.
 * No ``-march=native``: the kernels are compiled once per instruction set (portable, AVX2,
-  AVX-512; each translation unit targets its own) and picked at run time from what the CPU and
-  the OS support, so one wheel runs everywhere.  ``BNBW_NATIVE_ARCH=1`` adds the flag for local
+  AVX-512, NEON on AArch64; each translation unit targets its own) and picked at run time from
+  what the CPU and the OS support, so one wheel runs everywhere.  ``BNBW_NATIVE_ARCH=1`` adds the flag for local
   experiments only.
 """
 import glob
@@ -162,7 +162,8 @@ def main():
     # public conversion helpers.  The kernels (one translation unit per instruction set, each
     # targeting its own, plus the run-time choice between them) are linked into _schedules
     # only, so one process has one choice of body.
-    kernel_sources = [f"src/body_{name}.c" for name in ("choice", "portable", "avx2", "avx512")]
+    kernel_sources = [f"src/body_{name}.c" for name in ("choice", "portable", "avx2", "avx512",
+                                                          "neon")]
     extensions = [
         extension(name, [f"bnbw_native/{name}.pyx"]
                   + (kernel_sources if name == "_schedules" else []))
