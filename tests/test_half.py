@@ -10,6 +10,7 @@ checked against exact integer arithmetic and a round-to-odd construction.
 import bisect
 import functools
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -76,7 +77,9 @@ def _cpu_flags():
 
 
 def test_simd_path_names_the_code_taken():
-    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if platform.machine().lower() in ("aarch64", "arm64"):    # AdvSIMD is part of AArch64
+        assert _half.simd_path() == "f16: NEON, bf16: NEON"
+    elif {"avx2", "fma", "f16c"} <= _cpu_flags():
         assert _half.simd_path() == "f16: F16C, bf16: AVX2"
     else:
         assert _half.simd_path() in ("portable", "f16: F16C, bf16: AVX2")

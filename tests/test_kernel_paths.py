@@ -250,7 +250,7 @@ def test_forcing_a_body_is_visible(body):
     before = _config.kernel_body()
     with kernels(body):
         assert _config.kernel_body() == {"portable": "portable", "avx2": "AVX2",
-                                         "avx512": "AVX-512"}[body]
+                                         "avx512": "AVX-512", "neon": "NEON"}[body]
         assert (_call.build_info()["half_path"] == "portable") == (body == "portable")
     assert _config.kernel_body() == before
 
