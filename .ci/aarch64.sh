@@ -132,7 +132,7 @@ tar -C "$root" --exclude=./build --exclude=./dist --exclude='*.so' --exclude='./
 
 step "an sdist of the tree, a wheel built from the sdist (arm64 gcc, emulated), installed"
 inside "mkdir -p /dist && cd /src && python -c 'import sys; from setuptools import build_meta; \
-        build_meta.build_sdist(sys.argv[1])' /dist \
+        build_meta.build_sdist(sys.argv[1])' /dist >/dev/null \
         && BNBW_REQUIRE_OPENMP=1 pip wheel --quiet --no-deps --no-build-isolation -w /dist \
            /dist/bnbw_native-*.tar.gz \
         && pip install --quiet --force-reinstall --no-deps /dist/bnbw_native-*.whl && ls /dist"
