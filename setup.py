@@ -16,8 +16,8 @@ The extension modules are plain Cython + C.  A build-time probe and one rule dec
   run path at all (they do not link libpython), so those flags are dropped.  A run path the
   builder asks for in $LDFLAGS is kept.
 * No ``-march=native``: the kernels are compiled once per instruction set (portable, AVX2,
-  AVX-512; each translation unit targets its own) and picked at run time from what the CPU and
-  the OS support, so one wheel runs everywhere.  ``BNBW_NATIVE_ARCH=1`` adds the flag for local
+  AVX-512, NEON on AArch64; each translation unit targets its own) and picked at run time from
+  what the CPU and the OS support, so one wheel runs everywhere.  ``BNBW_NATIVE_ARCH=1`` adds the flag for local
   experiments only.
 """
 import glob
@@ -305,7 +305,8 @@ def main():
     # plan -> schedules -> the engine entry (which links the kernels: one process, one choice of
     # body) -> the validation rules -> array calls / DirectML operators -> the C API table;
     # _half: the public conversion helpers.
-    kernel_sources = [f"src/body_{name}.c" for name in ("choice", "portable", "avx2", "avx512")]
+    kernel_sources = [f"src/body_{name}.c" for name in ("choice", "portable", "avx2", "avx512",
+                                                          "neon")]
     extensions = [
         extension(name, [f"bnbw_native/{name}.pyx"]
                   + (kernel_sources if name == "_engine" else []))

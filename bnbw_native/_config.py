@@ -5,8 +5,8 @@ that ``threadpoolctl.threadpool_limits`` (which sets OpenMP's max threads) is ho
 
 Kernel bodies: every kernel exists as a portable body and as bodies for wider instruction
 sets, chosen at run time from what the CPU runs; all give the same bits.  The environment
-variable ``BNBW_KERNELS`` (``portable``, ``avx2`` or ``avx512``), read at import, caps the
-choice: for tests, benchmarks, and machines where 512-bit code lowers the clock.
+variable ``BNBW_KERNELS`` (``portable``, ``avx2``, ``avx512`` or ``neon``), read at import, caps
+the choice: for tests, benchmarks, and machines where 512-bit code lowers the clock.
 """
 from __future__ import annotations
 
@@ -43,8 +43,12 @@ def get_num_threads() -> int:
     return int(_engine.threads_for(0))
 
 
-# BNBW_KERNELS values, in order: each caps the body at its own level.
-KERNEL_CAPS = ("portable", "avx2", "avx512")
+# BNBW_KERNELS values: each caps the body at its level.  Levels are per architecture: 0 the
+# portable body, 1 the first vector body (AVX2 on x86-64, NEON on AArch64), 2 AVX-512; a name
+# this CPU cannot run stands for its level (neon on x86-64 runs AVX2, avx2 or avx512 on AArch64
+# NEON), at most the best body the CPU runs.
+KERNEL_CAPS = ("portable", "avx2", "avx512", "neon")
+_CAP_LEVELS = {"portable": 0, "avx2": 1, "neon": 1, "avx512": 2}
 
 
 def use_kernels(name: Optional[str]) -> Optional[str]:
@@ -53,14 +57,14 @@ def use_kernels(name: Optional[str]) -> Optional[str]:
     global _kernel_cap
     if name is not None and name not in KERNEL_CAPS:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CAPS)} or None, got {name!r}")
-    level = len(KERNEL_CAPS) - 1 if name is None else KERNEL_CAPS.index(name)
+    level = max(_CAP_LEVELS.values()) if name is None else _CAP_LEVELS[name]
     _engine.set_body_cap(level)
     previous, _kernel_cap = _kernel_cap, name
     return previous
 
 
 def kernel_body() -> str:
-    """The kernel body in use: "portable", "AVX2" or "AVX-512"."""
+    """The kernel body in use: "portable", "AVX2", "AVX-512" or "NEON"."""
     return str(_engine.build_info()["kernels"])
 
 

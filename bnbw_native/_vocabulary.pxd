@@ -25,7 +25,7 @@ cdef extern from "bnbw_half.h" nogil:
     float bnbw_bf16_to_f32(bnbw_bf16 h)
     bnbw_f16 bnbw_f64_to_f16(double d)
     bnbw_bf16 bnbw_f64_to_bf16(double d)
-    # row converters: simd nonzero when the kernel body in use is AVX2 or better
+    # row converters: simd nonzero when the kernel body in use is a vector one (AVX2 or better, NEON)
     void bnbw_load_f32(const char *src, int64_t stride, int64_t n, float *dst)
     void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t stride)
     void bnbw_load_f16(const char *src, int64_t stride, int64_t n, float *dst, int simd)

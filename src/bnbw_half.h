@@ -11,10 +11,13 @@
  * - The SIMD kernels must agree with the scalar functions on every input.  F16C quiets signalling
  *   NaNs in both directions, so the f16 kernels patch NaN lanes with integer ops afterwards.
  *   F16C rounding comes from the immediate (nearest-even), never from MXCSR.
+ * - AArch64 (NEON): FCVTL/FCVTN convert halves as IEEE conversions under FPCR, so the row
+ *   converters use them only while FPCR holds round-to-nearest and IEEE halves (as Linux sets
+ *   it), and send groups holding a NaN to the scalar code; bf16 is integer code throughout.
  * - The row converters take `simd` from their caller: nonzero when the kernel body in use
- *   (bnbw_kernels.h, which checks the CPU and the OS) is AVX2 or better, so one decision and
- *   one cap (BNBW_KERNELS) govern the kernels and the converters alike.  Non-x86 or non-GNU
- *   compilers get portable code whatever `simd` says.
+ *   (bnbw_kernels.h, which checks the CPU and the OS) is a vector one (AVX2 or better, NEON),
+ *   so one decision and one cap (BNBW_KERNELS) govern the kernels and the converters alike.
+ *   Other CPUs or non-GNU compilers get portable code whatever `simd` says.
  * - Everything is static: the header is compiled into more than one extension module.
  * - Row converters: the 16-bit (or strided f32) side is accessed through memcpy, so it needs no
  *   alignment and any byte stride (negative, zero, odd) works; strided rows are gathered into a
@@ -42,6 +45,9 @@ typedef struct { uint16_t bits; } bnbw_bf16;  /* bfloat16 storage */
 #define BNBW__X86_DISPATCH 1
 #include <immintrin.h>
 #define BNBW__AVX2 __attribute__((target("avx2,fma,f16c")))
+#elif defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
+#define BNBW__NEON_DISPATCH 1
+#include <arm_neon.h>
 #endif
 
 /* ---------------------------------------------------------------- scalar, bit-level semantics */
@@ -345,17 +351,178 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int6
 }
 
 #define BNBW__PICK(simd, fast, portable) ((simd) ? (fast) : (portable))
+#define BNBW__SIMD_PATH "f16: F16C, bf16: AVX2"
+#define BNBW__LOAD_F16 bnbw__load_f16_f16c
+#define BNBW__LOAD_F16_ARITH bnbw__load_f16_f16c_arith
+#define BNBW__STORE_F16 bnbw__store_f16_f16c
+#define BNBW__LOAD_BF16 bnbw__load_bf16_avx2
+#define BNBW__STORE_BF16 bnbw__store_bf16_avx2
+
+#elif defined(BNBW__NEON_DISPATCH)
+
+/* ---------------------------------------------------------------- contiguous AArch64 NEON rows */
+
+/* FPCR as the conversions below assume it: rounding to nearest (RMode 0) and IEEE half
+ * precision (AHP 0), as Linux starts every thread.  FCVTN rounds with FPCR's mode and FCVTL
+ * reads AHP, so a caller that changed either gets the portable code, which FPCR never touches.
+ * Flush-to-zero does not matter: conversions ignore FZ16, and FZ only flushes f32 subnormals,
+ * which round to a half's signed zero anyway. */
+static inline int bnbw__fpcr_plain(void)
+{
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    return (fpcr & ((UINT64_C(3) << 22) | (UINT64_C(1) << 26))) == 0;
+}
+
+/* Whether any of 8 halves is a NaN (exponent all ones, fraction not 0). */
+static inline int bnbw__any_nan_f16x8(uint16x8_t h)
+{
+    return vmaxvq_u16(vandq_u16(h, vdupq_n_u16(0x7fff))) > 0x7c00;
+}
+
+/* Whether any of 8 f32 lanes is a NaN: FMAX passes NaNs on. */
+static inline int bnbw__any_nan_f32x8(float32x4_t a, float32x4_t b)
+{
+    float m = vmaxvq_f32(vmaxq_f32(a, b));
+    return m != m;
+}
+
+/* FCVTL widens every half exactly, but quiets signalling NaNs (and FPCR.DN would replace
+ * them): groups of 8 holding a NaN take the portable code, which keeps payloads. */
+static BNBW__UNUSED void bnbw__load_f16_neon(const char *src, int64_t n, float *dst)
+{
+    int64_t i = 0;
+    if (bnbw__fpcr_plain())
+        for (; i + 8 <= n; i += 8) {
+            uint16x8_t h = vld1q_u16((const uint16_t *)(const void *)(src + 2 * i));
+            if (bnbw__any_nan_f16x8(h)) {
+                bnbw__load_f16_portable(src + 2 * i, 8, dst + i);
+                continue;
+            }
+            float16x8_t f = vreinterpretq_f16_u16(h);
+            vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(f)));
+            vst1q_f32(dst + i + 4, vcvt_high_f32_f16(f));
+        }
+    bnbw__load_f16_portable(src + 2 * i, n - i, dst + i);
+}
+
+/* For arithmetic only: plain FCVTL, NaN payloads not kept (see bnbw__load_f16_f16c_arith). */
+static BNBW__UNUSED void bnbw__load_f16_neon_arith(const char *src, int64_t n, float *dst)
+{
+    int64_t i = 0;
+    if (bnbw__fpcr_plain())
+        for (; i + 8 <= n; i += 8) {
+            float16x8_t f = vreinterpretq_f16_u16(
+                vld1q_u16((const uint16_t *)(const void *)(src + 2 * i)));
+            vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(f)));
+            vst1q_f32(dst + i + 4, vcvt_high_f32_f16(f));
+        }
+    bnbw__load_f16_portable(src + 2 * i, n - i, dst + i);
+}
+
+/* FCVTN rounds to nearest even (FPCR checked), subnormals and overflow included; NaNs, which it
+ * would quiet, go through the portable code. */
+static BNBW__UNUSED void bnbw__store_f16_neon(const float *src, int64_t n, char *dst)
+{
+    int64_t i = 0;
+    if (bnbw__fpcr_plain())
+        for (; i + 8 <= n; i += 8) {
+            float32x4_t a = vld1q_f32(src + i), b = vld1q_f32(src + i + 4);
+            if (bnbw__any_nan_f32x8(a, b)) {
+                bnbw__store_f16_portable(src + i, 8, dst + 2 * i);
+                continue;
+            }
+            vst1q_u16((uint16_t *)(void *)(dst + 2 * i),
+                      vreinterpretq_u16_f16(vcvt_high_f16_f32(vcvt_f16_f32(a), b)));
+        }
+    bnbw__store_f16_portable(src + i, n - i, dst + 2 * i);
+}
+
+static BNBW__UNUSED void bnbw__load_bf16_neon(const char *src, int64_t n, float *dst)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint16x8_t h = vld1q_u16((const uint16_t *)(const void *)(src + 2 * i));
+        vst1q_u32((uint32_t *)(void *)(dst + i), vshll_n_u16(vget_low_u16(h), 16));
+        vst1q_u32((uint32_t *)(void *)(dst + i + 4), vshll_high_n_u16(h, 16));
+    }
+    bnbw__load_bf16_portable(src + 2 * i, n - i, dst + i);
+}
+
+/* All ones in the lanes whose bit 16 is 0, zero elsewhere: lsb - 1 for rounding bf16 (CMGE #0
+ * of x << 15, whose sign bit is bit 16). */
+static inline uint32x4_t bnbw__bf16_lsb_minus_1(uint32x4_t x)
+{
+    return vcgezq_s32(vshlq_n_s32(vreinterpretq_s32_u32(x), 15));
+}
+
+/* 4 f32 lanes (numbers) rounded to nearest-even bf16: the high half of x + 0x7fff + lsb, which
+ * RADDHN (adding 0x8000 as it narrows) computes as x + (lsb - 1) + 0x8000.  Integer code:
+ * BFCVTN (Armv8.6) flushes subnormal inputs, as the portable code does not. */
+static inline uint16x4_t bnbw__bf16_round4(uint32x4_t x)
+{
+    return vraddhn_u32(x, bnbw__bf16_lsb_minus_1(x));
+}
+
+/* ... into the high half of `lo`. */
+static inline uint16x8_t bnbw__bf16_round4_high(uint16x4_t lo, uint32x4_t x)
+{
+    return vraddhn_high_u32(lo, x, bnbw__bf16_lsb_minus_1(x));
+}
+
+/* NaN lanes replaced by the quiet NaN 0x7fc00000 with their sign, which rounds to the bf16 of
+ * every NaN (bnbw_f32_to_bf16); other lanes as they are. */
+static inline uint32x4_t bnbw__bf16_quiet4(float32x4_t a)
+{
+    uint32x4_t x = vreinterpretq_u32_f32(a);
+    uint32x4_t q = vorrq_u32(vandq_u32(x, vdupq_n_u32(0x80000000u)), vdupq_n_u32(0x7fc00000u));
+    /* BIF in place (x where a == a, q elsewhere): left to choose, the compiler takes BSL, whose
+     * result lands in the mask's register, and pays copies on the path without NaNs */
+    __asm__("bif %0.16b, %1.16b, %2.16b" : "+w"(x) : "w"(q), "w"(vceqq_f32(a, a)));
+    return x;
+}
+
+static BNBW__UNUSED void bnbw__store_bf16_neon(const float *src, int64_t n, char *dst)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        float32x4_t a = vld1q_f32(src + i), b = vld1q_f32(src + i + 4);
+        uint32x4_t xa = vreinterpretq_u32_f32(a), xb = vreinterpretq_u32_f32(b);
+        if (__builtin_expect(bnbw__any_nan_f32x8(a, b), 0)) {    /* rare: one test for both */
+            __asm__ volatile("");  /* a branch: computed always and selected, it costs more */
+            xa = bnbw__bf16_quiet4(a);
+            xb = bnbw__bf16_quiet4(b);
+        }
+        vst1q_u16((uint16_t *)(void *)(dst + 2 * i),
+                  bnbw__bf16_round4_high(bnbw__bf16_round4(xa), xb));
+    }
+    bnbw__store_bf16_portable(src + i, n - i, dst + 2 * i);
+}
+
+#define BNBW__PICK(simd, fast, portable) ((simd) ? (fast) : (portable))
+#define BNBW__SIMD_PATH "f16: NEON, bf16: NEON"
+#define BNBW__LOAD_F16 bnbw__load_f16_neon
+#define BNBW__LOAD_F16_ARITH bnbw__load_f16_neon_arith
+#define BNBW__STORE_F16 bnbw__store_f16_neon
+#define BNBW__LOAD_BF16 bnbw__load_bf16_neon
+#define BNBW__STORE_BF16 bnbw__store_bf16_neon
 
 #else
 
 #define BNBW__PICK(simd, fast, portable) ((void)(simd), (portable))
+#define BNBW__SIMD_PATH "portable"
+#define BNBW__LOAD_F16 bnbw__load_f16_portable
+#define BNBW__LOAD_F16_ARITH bnbw__load_f16_portable
+#define BNBW__STORE_F16 bnbw__store_f16_portable
+#define BNBW__LOAD_BF16 bnbw__load_bf16_portable
+#define BNBW__STORE_BF16 bnbw__store_bf16_portable
 
 #endif
 
 /* What the row converters run when their caller allows SIMD (see bnbw_load_f16). */
 static BNBW__UNUSED const char *bnbw_half_simd_path(int simd)
 {
-    return BNBW__PICK(simd, "f16: F16C, bf16: AVX2", "portable");
+    return BNBW__PICK(simd, BNBW__SIMD_PATH, "portable");
 }
 
 /* ---------------------------------------------------------------- public row converters */
@@ -400,33 +567,33 @@ static inline void bnbw__store16(bnbw__store_kernel k, const float *src, int64_t
 static BNBW__UNUSED void bnbw_load_f16(const char *src, int64_t src_stride, int64_t n, float *dst,
                                        int simd)
 {
-    bnbw__load16(BNBW__PICK(simd, bnbw__load_f16_f16c, bnbw__load_f16_portable), src, src_stride, n, dst);
+    bnbw__load16(BNBW__PICK(simd, BNBW__LOAD_F16, bnbw__load_f16_portable), src, src_stride, n, dst);
 }
 
 /* bnbw_load_f16 for arithmetic: the same values, NaN payloads not preserved (see above). */
 static BNBW__UNUSED void bnbw_load_f16_arith(const char *src, int64_t src_stride, int64_t n,
                                              float *dst, int simd)
 {
-    bnbw__load16(BNBW__PICK(simd, bnbw__load_f16_f16c_arith, bnbw__load_f16_portable), src,
+    bnbw__load16(BNBW__PICK(simd, BNBW__LOAD_F16_ARITH, bnbw__load_f16_portable), src,
                  src_stride, n, dst);
 }
 
 static BNBW__UNUSED void bnbw_store_f16(const float *src, int64_t n, char *dst, int64_t dst_stride,
                                         int simd)
 {
-    bnbw__store16(BNBW__PICK(simd, bnbw__store_f16_f16c, bnbw__store_f16_portable), src, n, dst, dst_stride);
+    bnbw__store16(BNBW__PICK(simd, BNBW__STORE_F16, bnbw__store_f16_portable), src, n, dst, dst_stride);
 }
 
 static BNBW__UNUSED void bnbw_load_bf16(const char *src, int64_t src_stride, int64_t n, float *dst,
                                         int simd)
 {
-    bnbw__load16(BNBW__PICK(simd, bnbw__load_bf16_avx2, bnbw__load_bf16_portable), src, src_stride, n, dst);
+    bnbw__load16(BNBW__PICK(simd, BNBW__LOAD_BF16, bnbw__load_bf16_portable), src, src_stride, n, dst);
 }
 
 static BNBW__UNUSED void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t dst_stride,
                                          int simd)
 {
-    bnbw__store16(BNBW__PICK(simd, bnbw__store_bf16_avx2, bnbw__store_bf16_portable), src, n, dst, dst_stride);
+    bnbw__store16(BNBW__PICK(simd, BNBW__STORE_BF16, bnbw__store_bf16_portable), src, n, dst, dst_stride);
 }
 
 static BNBW__UNUSED void bnbw_load_f32(const char *src, int64_t src_stride, int64_t n, float *dst)

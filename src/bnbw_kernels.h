@@ -55,15 +55,16 @@
  *
  * One source, several instruction sets.  The arithmetic is written once
  * (bnbw_kernels_impl.h) over a small vector layer of 16-lane f32 and f64 vectors and lane
- * predicates (bnbw_simd_portable.h, bnbw_simd_avx2.h, bnbw_simd_avx512.h) and compiled once per
- * instruction set, each in its own translation unit (src/body_*.c), into a table of
- * the nine kernels.  The portable body defines the results: every other body does the same
+ * predicates (bnbw_simd_portable.h, bnbw_simd_avx2.h, bnbw_simd_avx512.h, bnbw_simd_neon.h)
+ * and compiled once per instruction set, each in its own translation unit (src/body_*.c),
+ * into a table of the nine kernels.  The portable body defines the results: every other body does the same
  * operations on the same lanes in the same order, so all give the same bits; FP contraction is
  * off (-ffp-contract=off) and the bodies fuse a multiply-add only where the portable body calls
  * fmaf or where the product is exact.  Adding an instruction set is one more layer header and
  * one more translation unit.  bnbw_kernels() picks the table at run time: the best body the CPU
- * and the OS support (CPUID, and XGETBV for the AVX and AVX-512 register state), capped by
- * bnbw_set_body_cap (the BNBW_KERNELS environment variable, tests, benchmarks).
+ * and the OS support (CPUID, and XGETBV for the AVX and AVX-512 register state; on AArch64
+ * the auxiliary vector's HWCAP_ASIMD), capped by bnbw_set_body_cap (the BNBW_KERNELS
+ * environment variable, tests, benchmarks).
  *
  * Determinism.  A kernel's result depends only on its arguments, never on which thread runs it.
  */
@@ -82,8 +83,11 @@ enum { BNBW_EXACT_SUMS = 0, BNBW_BLOCKS = 1, BNBW_BLOCKS_EVEN_ODD = 2 };
                                 the last block takes the whole runs left */
 #define BNBW_BLOCK_ROWS 16   /* channel-last block: 16 rows from the call's first row */
 
-/* Bodies, from the most portable up. */
-enum { BNBW_BODY_PORTABLE = 0, BNBW_BODY_AVX2 = 1, BNBW_BODY_AVX512 = 2, BNBW_N_BODIES = 3 };
+/* Bodies, from the most portable up.  Levels are per architecture: 1 is the first vector body
+ * (AVX2 on x86, NEON on AArch64), 2 AVX-512; a cap at a level this CPU has no body for runs
+ * the best body below it. */
+enum { BNBW_BODY_PORTABLE = 0, BNBW_BODY_AVX2 = 1, BNBW_BODY_NEON = 1, BNBW_BODY_AVX512 = 2,
+       BNBW_N_BODIES = 3 };
 
 /* The operands of one kernel call.  Steps are in elements (see "Storage and steps"); x is not
  * read by the scale kernels, dx not written by the reductions.  mask NULL: no ReLU mask; dres
@@ -143,9 +147,10 @@ typedef struct bnbw_kernel_table {
 extern const bnbw_kernel_table bnbw_kernels_portable;
 extern const bnbw_kernel_table *const bnbw_kernels_avx2;
 extern const bnbw_kernel_table *const bnbw_kernels_avx512;
+extern const bnbw_kernel_table *const bnbw_kernels_neon;
 
 /* The best body this CPU and OS run and this build has; the body in use (that, at most the
- * cap); the cap; a body's name ("portable", "AVX2", "AVX-512"). */
+ * cap); the cap; a body's name ("portable", "AVX2", "AVX-512", "NEON"). */
 int bnbw_cpu_body(void);
 int bnbw_body(void);
 void bnbw_set_body_cap(int cap);

@@ -35,6 +35,22 @@ static int bnbw__detect(void)
         return bnbw_kernels_avx512 != NULL ? BNBW_BODY_AVX512 : BNBW_BODY_AVX2;
     return bnbw_kernels_avx2 != NULL ? BNBW_BODY_AVX2 : BNBW_BODY_PORTABLE;
 }
+#elif defined(__aarch64__)
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
+/* AdvSIMD is part of every AArch64 Linux system; the auxiliary vector says so where it can. */
+static int bnbw__detect(void)
+{
+    if (bnbw_kernels_neon == NULL)
+        return BNBW_BODY_PORTABLE;
+#if defined(__linux__) && defined(AT_HWCAP) && defined(HWCAP_ASIMD)
+    if (!(getauxval(AT_HWCAP) & HWCAP_ASIMD))
+        return BNBW_BODY_PORTABLE;
+#endif
+    return BNBW_BODY_NEON;
+}
 #else
 static int bnbw__detect(void) { return BNBW_BODY_PORTABLE; }
 #endif
@@ -67,15 +83,24 @@ void bnbw_set_body_cap(int cap)
 
 const char *bnbw_body_name(int body)
 {
-    return body == BNBW_BODY_AVX512 ? "AVX-512" : body == BNBW_BODY_AVX2 ? "AVX2" : "portable";
+    if (body == BNBW_BODY_PORTABLE)
+        return "portable";
+#if defined(__aarch64__)
+    return "NEON";                 /* the only vector level here */
+#else
+    return body == BNBW_BODY_AVX512 ? "AVX-512" : "AVX2";
+#endif
 }
 
+/* At most one table per level is not NULL in a build: the other architecture's are. */
 const bnbw_kernel_table *bnbw_kernels_of(int body)
 {
     if (body >= BNBW_BODY_AVX512 && bnbw_kernels_avx512 != NULL)
         return bnbw_kernels_avx512;
     if (body >= BNBW_BODY_AVX2 && bnbw_kernels_avx2 != NULL)
         return bnbw_kernels_avx2;
+    if (body >= BNBW_BODY_NEON && bnbw_kernels_neon != NULL)
+        return bnbw_kernels_neon;
     return &bnbw_kernels_portable;
 }
 

@@ -58,7 +58,7 @@ def bench():
 
 @contextmanager
 def kernels(cap):
-    """Runs the block on the best kernel body up to `cap` ("portable", "avx2", "avx512"), in
+    """Runs the block on the best kernel body up to `cap` ("portable", "avx2", "avx512", "neon"), in
     every module of the package, then restores the previous cap."""
     from bnbw_native import _config
     previous = _config.use_kernels(cap)
@@ -70,9 +70,10 @@ def kernels(cap):
 
 def bodies():
     """The kernel bodies this CPU runs, as BNBW_KERNELS names them, most portable first."""
-    from bnbw_native import _config, _engine
-    best = {"portable": 0, "AVX2": 1, "AVX-512": 2}[_engine.build_info()["cpu_kernels"]]
-    return list(_config.KERNEL_CAPS[:best + 1])
+    from bnbw_native import _engine
+    return {"portable": ["portable"], "AVX2": ["portable", "avx2"],
+            "AVX-512": ["portable", "avx2", "avx512"],
+            "NEON": ["portable", "neon"]}[_engine.build_info()["cpu_kernels"]]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,13 +1,13 @@
 """Every kernel body gives the same bits.
 
-The kernels are compiled once per instruction set (portable, AVX2, AVX-512) from one source;
-the portable body defines the results and every other body the CPU runs must give its bits, so
-every output is compared bit for bit across the bodies.  The shapes put tails everywhere: rows
-that are not a multiple of 16 or 8 elements, rows longer than a kernel call's piece (2048),
-channel counts with 8- and 16-wide runs plus leftovers of every kind (masked loads and stores;
-the AVX2 body's channel-major elementwise bf16 kernels split runs of 16 into even and odd
-elements); strided operands (gathers, every-other-element loads); NaN and infinity inputs check
-that the bodies round special values alike (NaN payloads and signs aside).
+The kernels are compiled once per instruction set (portable, AVX2, AVX-512 on x86-64; portable and
+NEON on AArch64) from one source; the portable body defines the results and every other body the
+CPU runs must give its bits, so every output is compared bit for bit across the bodies.  The shapes
+put tails everywhere: rows that are not a multiple of 16 or 8 elements, rows longer than a kernel
+call's piece (2048), channel counts with 8- and 16-wide runs plus leftovers of every kind (masked
+loads and stores; the AVX2 body's channel-major elementwise bf16 kernels split runs of 16 into even
+and odd elements); strided operands (gathers, every-other-element loads); NaN and infinity inputs
+check that the bodies round special values alike (NaN payloads and signs aside).
 """
 import numpy as np
 import pytest
@@ -250,7 +250,7 @@ def test_forcing_a_body_is_visible(body):
     before = _config.kernel_body()
     with kernels(body):
         assert _config.kernel_body() == {"portable": "portable", "avx2": "AVX2",
-                                         "avx512": "AVX-512"}[body]
+                                         "avx512": "AVX-512", "neon": "NEON"}[body]
         assert (_engine.build_info()["half_path"] == "portable") == (body == "portable")
     assert _config.kernel_body() == before
 

@@ -11,6 +11,7 @@ helpers refuse is in test_refusals.py (the private row converters' misuse is her
 import bisect
 import functools
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -41,9 +42,57 @@ def f32(pattern):
     return np.asarray(pattern, dtype=np.uint32).view(np.float32)
 
 
+# The package's half conversions keep a NaN's payload (bnbw_half.h), as NumPy's own casts do
+# where NumPy converts in software (its x86-64 wheels).  Where it converts with the CPU's
+# instructions (its AArch64 wheels: FCVT), a signalling NaN comes out quiet; the references
+# then rebuild NaN lanes by the payload rule, every other lane staying NumPy's.
+with np.errstate(invalid="ignore"):      # a signalling NaN raises FCVT's invalid flag
+    _NUMPY_QUIETS_HALF_NANS = int(np.array(0x7C01, np.uint16).view(np.float16)
+                                  .astype(np.float32).view(np.uint32)) != 0x7F802000
+
+
+def _payload_kept_f16(x, r):
+    """r (NumPy's float16 of x) with each NaN lane as the package makes it: the top ten bits
+    of the payload (1 when they are all 0), the sign kept."""
+    if not _NUMPY_QUIETS_HALF_NANS:
+        return r
+    x = np.asarray(x)
+    nan = np.isnan(x)
+    if not nan.any():
+        return r
+    wide = x.dtype.itemsize == 8
+    xb = x.view(np.uint64 if wide else np.uint32)
+    top = (xb >> (42 if wide else 13)) & 0x3FF
+    sign = (xb >> (48 if wide else 16)) & 0x8000
+    fixed = (sign | 0x7C00 | np.where(top == 0, 1, top)).astype(np.uint16)
+    out = r.copy()
+    out.view(np.uint16)[nan] = fixed[nan]
+    return out
+
+
 def ref_f16(x):
     with np.errstate(all="ignore"):  # NumPy warns on overflow in casts
-        return np.asarray(x).astype(np.float16)
+        return _payload_kept_f16(x, np.asarray(x).astype(np.float16))
+
+
+def ref_f16_to_f32(h):
+    """float16 -> float32 as the package widens: NumPy's, a NaN's payload kept unquieted."""
+    h = np.asarray(h)
+    with np.errstate(invalid="ignore"):
+        r = h.astype(np.float32)
+    if _NUMPY_QUIETS_HALF_NANS:
+        hb = h.view(np.uint16).astype(np.uint32)
+        nan = np.isnan(h)
+        r.view(np.uint32)[nan] = (((hb & 0x8000) << 16) | 0x7F800000 | ((hb & 0x3FF) << 13))[nan]
+    return r
+
+
+def test_references_keep_nan_payloads():
+    """The references above give the package's NaNs on either kind of NumPy."""
+    h = np.array([0x7C01, 0xFE00, 0x3C00], np.uint16).view(np.float16)
+    assert list(bits(ref_f16_to_f32(h))) == [0x7F802000, 0xFFC00000, 0x3F800000]
+    x = f32([0x7F800001, 0xFFA00000, 0x7FC00000, 0x3F800000])
+    assert list(bits(ref_f16(x))) == [0x7C01, 0xFD00, 0x7E00, 0x3C00]
 
 
 def ref_bf16(x):
@@ -77,7 +126,9 @@ def _cpu_flags():
 
 
 def test_simd_path_names_the_code_taken():
-    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if platform.machine().lower() in ("aarch64", "arm64"):    # AdvSIMD is part of AArch64
+        assert _half.simd_path() == "f16: NEON, bf16: NEON"
+    elif {"avx2", "fma", "f16c"} <= _cpu_flags():
         assert _half.simd_path() == "f16: F16C, bf16: AVX2"
     else:
         assert _half.simd_path() in ("portable", "f16: F16C, bf16: AVX2")
@@ -89,7 +140,7 @@ def test_simd_path_names_the_code_taken():
 
 def test_float16_to_float32_all_patterns(path):
     h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
-    assert_bits_equal(half.float16_to_float32(h), h.astype(np.float32))
+    assert_bits_equal(half.float16_to_float32(h), ref_f16_to_f32(h))
 
 
 @needs_ml_dtypes
@@ -376,7 +427,7 @@ def _bf16_dtype():
 FNS = {
     "float32_to_float16": Fn("float32_to_float16", half.float32_to_float16, np.float32, ref_f16),
     "float16_to_float32": Fn("float16_to_float32", half.float16_to_float32, np.float16,
-                             lambda x: np.asarray(x).astype(np.float32)),
+                             ref_f16_to_f32),
     "float32_to_bfloat16": Fn("float32_to_bfloat16", half.float32_to_bfloat16, np.float32, ref_bf16),
     "bfloat16_to_float32": Fn("bfloat16_to_float32", half.bfloat16_to_float32, _bf16_dtype(),
                               lambda x: np.asarray(x).view(ml_dtypes.bfloat16).astype(np.float32)),
@@ -579,7 +630,7 @@ def test_row_load_any_byte_stride(kind, dtype, step):
            else _odd_stride(values, stride))
     dst = np.empty(300, np.float32)
     _half.load(kind, src, dst)
-    expected = {"f16": lambda v: v.astype(np.float32), "f32": lambda v: v,
+    expected = {"f16": ref_f16_to_f32, "f32": lambda v: v,
                 "bf16": lambda v: (v.astype(np.uint32) << 16).view(np.float32)}[kind](np.array(src))
     np.testing.assert_array_equal(bits(dst), bits(expected))
 
