@@ -10,33 +10,12 @@ import numpy as np
 from threadpoolctl import threadpool_info
 
 import bnbw_native
-from bnbw_native import _config
+from bnbw_native import _config, _schedules
 
 
-def cache_sizes():
-    """(L2 bytes per core, L3 bytes) from sysfs; falls back to this project's machine."""
-    sizes = {}
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        for entry in sorted(os.listdir(base)):
-            if not entry.startswith("index"):
-                continue
-            with open(os.path.join(base, entry, "level")) as f:
-                level = int(f.read())
-            with open(os.path.join(base, entry, "type")) as f:
-                kind = f.read().strip()
-            with open(os.path.join(base, entry, "size")) as f:
-                text = f.read().strip()
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-            value = int(text.rstrip("KMG")) * mult
-            if kind != "Instruction":
-                sizes[level] = value
-    except OSError:
-        pass
-    return sizes.get(2, 1 << 20), sizes.get(3, 36 << 20)
-
-
-L2_BYTES, L3_BYTES = cache_sizes()
+# The caches the package's schedules size their work by (read from the OS once, with
+# defaults where it does not say): the size classes below use the same figures.
+L2_BYTES, L3_BYTES = _schedules.cache_model()[:2]
 
 TINY_BYTES = 64 << 10
 

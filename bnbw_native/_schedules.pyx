@@ -52,39 +52,16 @@ cdef enum:
     ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance under dynamic load
     COMBINE_CHUNK = 256   # channels per parallel item of the combine
     FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
+    STREAM_ROW_MIN = 8192 # bytes: the shortest channel-major dx row written past the caches
 
-cdef extern from *:
-    """
-    #include <unistd.h>
-    /* Bytes of the level-`level` data cache (2 or 3) of one core, 0 when unknown. */
-    static long bnbw_cache_bytes(int level)
-    {
-    #if defined(_SC_LEVEL2_CACHE_SIZE) && defined(_SC_LEVEL3_CACHE_SIZE)
-        long v = sysconf(level == 2 ? _SC_LEVEL2_CACHE_SIZE : _SC_LEVEL3_CACHE_SIZE);
-        return v > 0 ? v : 0;
-    #else
-        (void)level;
-        return 0;
-    #endif
-    }
-    static long bnbw_online_cpus(void)
-    {
-    #ifdef _SC_NPROCESSORS_ONLN
-        long v = sysconf(_SC_NPROCESSORS_ONLN);
-        return v > 0 ? v : 1;
-    #else
-        return 1;
-    #endif
-    }
-    """
+cdef extern from "bnbw_caches.h":
     long bnbw_cache_bytes(int level) nogil
-    long bnbw_online_cpus() nogil
+    long bnbw_l3_sharers() nogil
 
-# The machine's caches, read once (where the OS does not say: a common 1 MiB L2, 32 MiB L3);
-# the L3 is taken to be shared by every online CPU.
+# The machine's caches, read once (where the OS does not say: a common 1 MiB L2, 32 MiB L3).
 cache_l2_bytes = bnbw_cache_bytes(2) or (1 << 20)
 cache_l3_bytes = bnbw_cache_bytes(3) or (32 << 20)
-cache_l3_sharers = bnbw_online_cpus()
+cache_l3_sharers = bnbw_l3_sharers()
 
 
 def cache_model():
@@ -114,10 +91,11 @@ def set_stream_policy(str policy):
 
 
 cdef int64_t cache_share(int nthreads) noexcept nogil:
-    """Bytes one of `nthreads` threads may keep for re-reading: half of its L2, and half of its
-    part of the L3 (shared by the online CPUs, or by the threads when there are more)."""
+    """Bytes one of `nthreads` threads may keep for re-reading: its L2 and its part of the L3
+    (shared by the CPUs that share it, or by the threads when there are more).  L2 and L3 add
+    up: the L3s of the CPUs this package targets do not hold copies of the L2s' lines."""
     cdef int64_t sharers = cache_l3_sharers if cache_l3_sharers > nthreads else nthreads
-    return cache_l2_bytes // 2 + cache_l3_bytes // (2 * sharers)
+    return cache_l2_bytes + cache_l3_bytes // sharers
 
 SCHEDULE_NAMES = {0: "nothing", 1: "last-split", 2: "major-sweep", 3: "major-blocks",
                   4: "major-sweep-fused", 5: "major-channel-fused"}
@@ -142,8 +120,8 @@ cdef int _sum_mode(const Plan *p, int op) noexcept nogil:
 
 cdef bint _balanced(int64_t items, int nt) noexcept nogil:
     """Whether `items` equal items handed out to `nt` threads keep each one busy and the
-    busiest within a quarter of the mean."""
-    return items >= nt and 4 * ((items + nt - 1) // nt) * nt <= 5 * items
+    busiest within an eighth of the mean (5 items on 2 threads are not: 3 against 2.5)."""
+    return items >= nt and 8 * ((items + nt - 1) // nt) * nt <= 9 * items
 
 
 cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
@@ -190,11 +168,14 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         return
     s.sums = _sum_mode(p, op)
     s.streaming = 2 * itemsize(p.big_dtype) * C * p.count > cache_l2_bytes
-    # dx past the caches when the call's big tensors cannot stay in them anyway: its lines
-    # then skip the read for ownership a cached store pays
-    s.stream_dx = (dx and p.big_dtype == DT_F32 and stream_policy != 0
-                   and (stream_policy == 1 or (3 * 4 * C * p.count
-                                               > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
+    # dx past the caches when the call's big tensors cannot stay in them anyway (its lines
+    # then skip the read for ownership a cached store pays), in channel-major rows long enough
+    # that the partial lines at their ends, stored plainly, are few.  Channel-last slices are
+    # not streamed: measured, a wash at best (docs/benchmark-history.md, 4c)
+    s.stream_dx = (dx and p.big_dtype == DT_F32 and not p.channel_last and stream_policy != 0
+                   and (stream_policy == 1
+                        or (4 * p.inner_size >= STREAM_ROW_MIN
+                            and 3 * 4 * C * p.count > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
     if p.channel_last:

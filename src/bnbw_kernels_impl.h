@@ -145,25 +145,17 @@ BNBW_INLINE vf k__apply(vf x, vf g, vf m, vf k1, vf k2, vf k3)
 /* Elementwise kernels read contiguous bf16 rows in the layer's cheapest lane order. */
 #define K__EO(dt, contig) (BNBW_SIMD_BF16_EVEN_ODD && (dt) == BNBW_BF16 && (contig))
 
-/* Streaming dx (io->stream_dx: the call's data outgrow the caches).  An f32 dx is written with
- * non-temporal stores, which skip the read for ownership, in whole 64-byte lines only: a
- * channel-major row first takes the `lead` elements up to its first line the usual way (an
- * elementwise kernel's chunks never change a bit), a channel-last row streams when its slice
- * starts on a line.  The last store of a kernel call is followed by a fence. */
+/* Streaming dx (io->stream_dx: the call's data outgrow the caches; channel-major rows only).  An
+ * f32 dx row is written with non-temporal stores, which skip the read for ownership, in whole
+ * 64-byte lines only: it first takes the `lead` elements up to its first line the usual way (an
+ * elementwise kernel's chunks never change a bit).  The last store of a row is followed by a
+ * fence. */
 BNBW_INLINE int64_t k__lead(const bnbw_io *io, int64_t n, int dt, int contig)
 {
     if (!io->stream_dx || dt != BNBW_F32 || !contig)
         return -1;
     const int64_t lead = (int64_t)((64 - ((uintptr_t)io->dx & 63)) & 63) / 4;
     return lead < n ? lead : n;
-}
-BNBW_INLINE const void *k__at(const void *row, int64_t e, int dt)
-{
-    return (const char *)row + e * BNBW__ISZ(dt);
-}
-BNBW_INLINE int k__streams(const bnbw_io *io, const void *line, int dt)
-{
-    return io->stream_dx && dt == BNBW_F32 && ((uintptr_t)line & 63) == 0;
 }
 BNBW_INLINE void k__store16(void *row, int64_t i, int64_t step, vf y, int dt, int eo, int st)
 {
@@ -477,19 +469,16 @@ BNBW_INLINE void k_apply_rows(const bnbw_io *io, int64_t rows, int64_t n, const 
         const float *l2 = k__lane_order(k2, c0, w, c2, dt);
         const float *l3 = k__lane_order(k3, c0, w, c3, dt);
         for (int64_t j = 0; j < rows; ++j) {
-            const int st = k__streams(io, k__at(io->dx, j * io->dx_step + c0, dt), dt);
             for (int64_t c = 0; c < w; c += 16) {
                 vf x = K__LX(j, c0 + c), g = K__LG(j, c0 + c);
                 k__residual_rows(io, j, c0 + c, 16, dt, mdt);
-                k__store16(io->dx, j * io->dx_step + c0 + c, 1,
-                           k__apply(x, g, vf_loadu(lm + c), vf_loadu(l1 + c), vf_loadu(l2 + c),
-                                    vf_loadu(l3 + c)),
-                           dt, eo, st);
+                v_store(io->dx, j * io->dx_step + c0 + c, 1,
+                        k__apply(x, g, vf_loadu(lm + c), vf_loadu(l1 + c), vf_loadu(l2 + c),
+                                 vf_loadu(l3 + c)),
+                        dt, eo);
             }
         }
     }
-    if (io->stream_dx)
-        v_stream_fence();
     if (n16 < n) {                 /* the last t < 16 channels */
         const int64_t t = n - n16;
         const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32);
@@ -514,17 +503,13 @@ BNBW_INLINE void k_scale_rows(const bnbw_io *io, int64_t rows, int64_t n, const 
         int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
         const float *l1 = k__lane_order(k1, c0, w, c1, dt);
         for (int64_t j = 0; j < rows; ++j) {
-            const int st = k__streams(io, k__at(io->dx, j * io->dx_step + c0, dt), dt);
             for (int64_t c = 0; c < w; c += 16) {
                 vf g = K__LG(j, c0 + c);
                 k__residual_rows(io, j, c0 + c, 16, dt, mdt);
-                k__store16(io->dx, j * io->dx_step + c0 + c, 1, vf_mul(vf_loadu(l1 + c), g), dt,
-                           eo, st);
+                v_store(io->dx, j * io->dx_step + c0 + c, 1, vf_mul(vf_loadu(l1 + c), g), dt, eo);
             }
         }
     }
-    if (io->stream_dx)
-        v_stream_fence();
     if (n16 < n) {
         const int64_t t = n - n16;
         const vf a = v_load_part(k1, n16, t, 1, BNBW_F32);
@@ -690,16 +675,13 @@ BNBW_INLINE void k_normalize_rows(const bnbw_io *io, int64_t rows, int64_t n, co
         const float *lk = k__lane_order(k, c0, w, ck, dt);
         const float *lb = k__lane_order(b, c0, w, cb, dt);
         for (int64_t j = 0; j < rows; ++j) {
-            const int st = k__streams(io, k__at(io->dx, j * io->dx_step + c0, dt), dt);
             for (int64_t c = 0; c < w; c += 16)
-                k__store16(io->dx, j * io->dx_step + c0 + c, 1,
-                           k__normalize(K__LX(j, c0 + c), vf_loadu(lm + c), vf_loadu(lk + c),
-                                        vf_loadu(lb + c), relu),
-                           dt, eo, st);
+                v_store(io->dx, j * io->dx_step + c0 + c, 1,
+                        k__normalize(K__LX(j, c0 + c), vf_loadu(lm + c), vf_loadu(lk + c),
+                                     vf_loadu(lb + c), relu),
+                        dt, eo);
         }
     }
-    if (io->stream_dx)
-        v_stream_fence();
     if (n16 < n) {                 /* the last t < 16 channels */
         const int64_t t = n - n16;
         const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32), kv = v_load_part(k, n16, t, 1, BNBW_F32);

@@ -158,9 +158,9 @@ def stream_policy():
 @pytest.mark.parametrize("shape, data_format", CASES + [((3, 7, 5, 77), "NCX"),
                                                        ((5, 9, 1000), "NXC")], ids=str)
 def test_streaming_dx_never_changes_a_bit(rng, stream_policy, shape, data_format):
-    """dx (and the forward's y) written past the caches in whole lines - rows peeled to a line,
-    slices that start on one - gives the bits of plain stores, on every kernel that writes:
-    training, frozen, ReLU, in place, the forward."""
+    """dx (and the forward's y) written past the caches in whole lines - channel-major rows
+    peeled to a line - gives the bits of plain stores, on every kernel that writes: training,
+    frozen, ReLU, in place, the forward.  Channel-last calls never stream."""
     x, dy, y, (mean, var, gamma) = _problem(rng, shape, data_format, np.float32)
 
     def run():
@@ -182,4 +182,60 @@ def test_streaming_dx_never_changes_a_bit(rng, stream_policy, shape, data_format
     stream_policy("always")
     assert run() == want
     assert _arrays.describe(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, 1e-5,
-                            data_format, 1)["stream_dx"]
+                            data_format, 1)["stream_dx"] == (data_format == "NCX")
+
+
+@pytest.mark.parametrize("shape, data_format, streams", [
+    ((8, 4, 64, 64), "NCX", True),       # rows of 16 KiB, 3 x 512 KiB > L2: past the caches
+    ((8, 4, 2048), "NCX", True),         # rows of exactly 8 KiB
+    ((8, 4, 2047), "NCX", False),        # a row shorter than 8 KiB keeps cached stores
+    ((64, 16, 14, 14), "NCX", False),    # rows of 784 B
+    ((8, 64, 64, 4), "NXC", False),      # channel-last: never
+])
+def test_dx_streams_in_long_channel_major_rows_that_outgrow_the_caches(
+        stream_policy, cache_model, shape, data_format, streams):
+    """The automatic rule: f32 dx goes past the caches when x, dy and dx together outgrow the
+    L3 and every thread's L2, in channel-major rows of 8 KiB or more; with caches that hold
+    the call, never."""
+    x = np.zeros(shape, np.float32)
+    cache_model(64 << 10, 256 << 10, 2)
+    assert describe(x, data_format)["stream_dx"] is streams
+    assert describe(x, data_format, formula=_arrays.FROZEN_DX)["stream_dx"] is streams
+    cache_model(*LARGE_CACHE)
+    assert describe(x, data_format)["stream_dx"] is False
+
+
+def _sysfs_caches():
+    """{level: (bytes, CPUs sharing it)} of CPU 0's data and unified caches, as sysfs lists
+    them (empty where there is no sysfs)."""
+    import glob
+    import os
+    found = {}
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        def read(name):
+            with open(os.path.join(index, name)) as f:
+                return f.read().strip()
+        try:
+            level, kind, size = int(read("level")), read("type"), read("size")
+            cpus = read("shared_cpu_list")
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+        sharers = sum(int(b) - int(a) + 1 for a, _, b in
+                      (part.partition("-") if "-" in part else (part, "", part)
+                       for part in cpus.split(",")))
+        found[level] = (int(size.rstrip("KMG")) * scale, sharers)
+    return found
+
+
+def test_the_cache_model_is_what_the_os_lists():
+    """The schedules size their work by the caches sysfs lists for CPU 0 (an instance of the
+    L3, not the whole package's, which sysconf reports on some AMD guests), and by how many
+    CPUs share that L3."""
+    caches = _sysfs_caches()
+    if 2 not in caches or 3 not in caches:
+        pytest.skip("this OS lists no L2 and L3 in sysfs")
+    l2, l3, sharers = _schedules.cache_model()
+    assert (l2, l3, sharers) == (caches[2][0], caches[3][0], caches[3][1])
