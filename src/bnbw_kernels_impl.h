@@ -816,21 +816,70 @@ static void K__NAME(scale_row)(const bnbw_io *io, int64_t n, float k1)
     k_scale_row_variants[k__contiguous(io)][k__variant(io)](io, n, k1);
 }
 
+/* Channel-last rows wider than K__CUT_ROWS_ABOVE bytes whose x starts inside a 64-byte line
+ * (numpy's arrays start 16 bytes into one) are cut at x's next line: the first `lead` channels
+ * go alone, in a pass of their own over the rows, and every load of the rest starts on a line
+ * instead of straddling two.  Each channel is one lane whose sums take its rows in row order,
+ * so the lane a channel falls in never changes a bit.  Only where every row starts at the same
+ * place in its line.  Narrower rows keep their straddling loads: the extra pass costs more. */
+#define K__CUT_ROWS_ABOVE 2048
+BNBW_INLINE int64_t k__rows_lead(const bnbw_io *io, int64_t n)
+{
+    const int64_t isz = BNBW__ISZ(io->dt);
+    const uintptr_t at = (uintptr_t)io->x;
+    if (io->x == NULL || io->x_step * isz <= K__CUT_ROWS_ABOVE || (io->x_step * isz) % 64 != 0
+        || at % (uintptr_t)isz != 0)
+        return 0;
+    const int64_t lead = (int64_t)((64 - at % 64) % 64) / isz;
+    return n - lead >= 16 ? lead : 0;
+}
+/* The same call from channel `c` on */
+BNBW_INLINE bnbw_io k__rows_from(const bnbw_io *io, int64_t c)
+{
+    const int64_t isz = BNBW__ISZ(io->dt), msz = io->mask_dt == BNBW_BOOL ? 1 : isz;
+    bnbw_io r = *io;
+    r.x = io->x ? (const char *)io->x + c * isz : NULL;
+    r.dy = io->dy ? (const char *)io->dy + c * isz : NULL;
+    r.dx = io->dx ? (char *)io->dx + c * isz : NULL;
+    r.mask = io->mask ? (const char *)io->mask + c * msz : NULL;
+    r.dres = io->dres ? (char *)io->dres + c * isz : NULL;
+    return r;
+}
+#define K__PEEL(CALL_ALL, CALL_LEAD, CALL_REST) do {                                        \
+        const int64_t lead = k__rows_lead(io, n);                                           \
+        if (lead == 0) {                                                                    \
+            CALL_ALL;                                                                       \
+        } else {                                                                            \
+            const bnbw_io rest = k__rows_from(io, lead);                                    \
+            CALL_LEAD;                                                                      \
+            CALL_REST;                                                                      \
+        }                                                                                   \
+    } while (0)
+
 static void K__NAME(reduce_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
                                  double *sum_g, double *sum_xg, int streaming, int sums)
 {
-    k_reduce_rows_variants[k__variant(io)](io, rows, n, mean, sum_g, sum_xg, streaming, sums);
+    void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, double *, double *, int,
+                    int) = k_reduce_rows_variants[k__variant(io)];
+    K__PEEL(f(io, rows, n, mean, sum_g, sum_xg, streaming, sums),
+            f(io, rows, lead, mean, sum_g, sum_xg, streaming, sums),
+            f(&rest, rows, n - lead, mean + lead, sum_g + lead, sum_xg + lead, streaming, sums));
 }
 
 static void K__NAME(apply_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
                                 const float *k1, const float *k2, const float *k3)
 {
-    k_apply_rows_variants[k__variant(io)](io, rows, n, mean, k1, k2, k3);
+    void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, const float *,
+                    const float *, const float *) = k_apply_rows_variants[k__variant(io)];
+    K__PEEL(f(io, rows, n, mean, k1, k2, k3), f(io, rows, lead, mean, k1, k2, k3),
+            f(&rest, rows, n - lead, mean + lead, k1 + lead, k2 + lead, k3 + lead));
 }
 
 static void K__NAME(scale_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *k1)
 {
-    k_scale_rows_variants[k__variant(io)](io, rows, n, k1);
+    void (*const f)(const bnbw_io *, int64_t, int64_t, const float *) =
+        k_scale_rows_variants[k__variant(io)];
+    K__PEEL(f(io, rows, n, k1), f(io, rows, lead, k1), f(&rest, rows, n - lead, k1 + lead));
 }
 
 static void K__NAME(reduce_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,
@@ -952,13 +1001,20 @@ static void K__NAME(normalize_row)(const bnbw_io *io, int64_t n, float mean, flo
 static void K__NAME(stats_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
                                 double *sum, double *sum_sq, int streaming)
 {
-    k_stats_rows_variants[k__type(io)](io, rows, n, shift, sum, sum_sq, streaming);
+    void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, double *, double *, int) =
+        k_stats_rows_variants[k__type(io)];
+    K__PEEL(f(io, rows, n, shift, sum, sum_sq, streaming),
+            f(io, rows, lead, shift, sum, sum_sq, streaming),
+            f(&rest, rows, n - lead, shift + lead, sum + lead, sum_sq + lead, streaming));
 }
 
 static void K__NAME(normalize_rows)(const bnbw_io *io, int64_t rows, int64_t n,
                                     const float *mean, const float *k, const float *b, int relu)
 {
-    k_normalize_rows_variants[relu != 0][k__type(io)](io, rows, n, mean, k, b);
+    void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, const float *,
+                    const float *) = k_normalize_rows_variants[relu != 0][k__type(io)];
+    K__PEEL(f(io, rows, n, mean, k, b), f(io, rows, lead, mean, k, b),
+            f(&rest, rows, n - lead, mean + lead, k + lead, b + lead));
 }
 
 static void K__NAME(stats_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n,

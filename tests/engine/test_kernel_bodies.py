@@ -12,6 +12,7 @@ check that the bodies round special values alike (NaN payloads and signs aside).
 import numpy as np
 import pytest
 
+import bnbw_native
 from bnbw_native import _config, _engine, backward_apply, backward_reduce, batchnorm_training_backward, dml
 from conftest import BF16, bodies, kernels, make_layout
 
@@ -278,3 +279,48 @@ def test_results_do_not_depend_on_where_dx_lies(rng, dtype, in_layout, dx_layout
     assert got[0] is dx
     for a, b in zip(got, (buf, dg, db)):
         np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def _at_offset(a, offset):
+    """A copy of `a` whose data starts `offset` bytes into a 64-byte line."""
+    raw = np.empty(a.nbytes + 128, np.uint8)
+    skip = (offset - raw.ctypes.data) % 64
+    out = raw[skip:skip + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 64 == offset
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(3, 2, 1040), (5, 1056), (3, 1041), (5, 3, 64)], ids=str)
+@pytest.mark.parametrize("body", bodies())
+def test_results_do_not_depend_on_where_x_starts_in_its_line(rng, dtype, shape, body):
+    """Channel-last kernels cut rows wider than 2 KiB at x's first line boundary (the channels
+    before it go alone): the lane a channel falls in must not change a bit.  x, dy and dx at
+    every offset into a 64-byte line give the bits of line-aligned arrays, backward (training,
+    frozen, ReLU mask) and forward, on every body; rows of whole lines wide enough to cut in
+    every storage type (1040, 1056 channels: 16 + 16 lines and a leftover run), rows that are
+    not whole lines (1041) and rows too narrow to cut (64)."""
+    x, dy, mean, var, gamma = _inputs(rng, shape, dtype, "NXC", special=False)
+    mask = x > 1
+
+    def run(offset):
+        a, g, m = (_at_offset(t, offset) for t in (x, dy, mask))
+        return [_bits(r) for r in
+                (*batchnorm_training_backward(a, g, mean, var, gamma, epsilon=1e-5,
+                                              data_format="NXC"),
+                 batchnorm_training_backward(a, g, mean, var, gamma, epsilon=1e-5,
+                                             data_format="NXC", num_outputs=1)[0],
+                 *batchnorm_training_backward(a, g, mean, var, gamma, epsilon=1e-5,
+                                              data_format="NXC", relu_dst=m),
+                 *bnbw_native.batchnorm_training_forward(a, mean, var, gamma, gamma,
+                                                         epsilon=1e-5, data_format="NXC",
+                                                         fuse_relu=True))
+                if r is not None]
+
+    with kernels(body):
+        want = run(0)
+        for offset in range(np.dtype(dtype).itemsize, 64, np.dtype(dtype).itemsize):
+            got = run(offset)
+            for i, (a, b) in enumerate(zip(got, want)):
+                np.testing.assert_array_equal(a, b, err_msg=f"output {i}, offset {offset}")
