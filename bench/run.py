@@ -69,6 +69,7 @@ from report import (WEAK_CACHE_SPEEDUP, WEAK_DRAM_PCT, class_bandwidth,  # noqa:
                     weak_summary, write_json)
 from runner import PEERS, Runner  # noqa: E402
 from timing import FULL, QUICK  # noqa: E402
+import torch_cache  # noqa: E402
 import torch_layers  # noqa: E402
 
 
@@ -190,7 +191,9 @@ def run_layers(threads, protocol, echo=print):
           "and of torch's, float32, timed interleaved; ms = median per step; x torch = torch's "
           "ms / ours (> 1: ours is faster), (min) the same of the fastest samples; err = ours "
           "against torch's layer (y, x.grad, weight.grad, bias.grad); faults o/t = page faults "
-          "per step, ours / torch's (both allocate through torch's allocator)")
+          "per step, ours / torch's (both allocate through torch, whose CPU allocator is "
+          f"bench/torch_cache.cpp while they are timed: "
+          f"{'reused blocks' if torch_cache.load() is not None else 'absent, torch own: ' + str(torch_cache.why_absent)})")
     echo(torch_layers.HEADER)
     return torch_layers.layer_rows(torch_layers.SHAPES, threads, protocol,
                                    echo=lambda row: echo(torch_layers.format_row(row)))

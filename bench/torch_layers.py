@@ -10,8 +10,12 @@ Pairs, in NCHW and channels-last, at each shape and thread count:
 One step is `layer(x.detach().requires_grad_()).backward(dy)`: the forward in training mode
 (batch statistics, running statistics updated), the backward to x, weight and bias.  The five
 steps of a case are timed interleaved, round by round, by timing.measure (the protocol of every
-bench row), with the page faults of each timed step counted; both sides allocate their
-tensors through torch's own allocator, as a training loop does.  Before the timing, one step
+bench row), with the page faults of each timed step counted.  Both sides allocate their
+tensors through torch; while they are timed, torch's CPU allocator is bench/torch_cache.cpp
+(when it builds here), which hands a dropped block out again as a caching allocator does:
+under glibc's own, a step's 25 MiB tensors came from fresh pages or from reused ones by the
+history of the heap (4000 page faults on one step, none on the next), which decided the
+ratio more than the layers did.  Before the timing, one step
 of each side on the same x and dy is compared: y, x.grad, weight.grad and bias.grad of ours
 against torch's.
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from checks import PEER_SLACK, SEMANTICS_LIMIT, TOLERANCE, CheckFailed, relative_error
+import torch_cache
 from procmem import minor_faults
 from timing import measure
 
@@ -118,6 +123,7 @@ def layer_rows(shapes, threads, protocol, echo=None):
     if torch is None:
         raise ImportError("the layer rows need torch")
     rows = []
+    cache = torch_cache.load()
     was = torch.get_num_threads()
     try:
         for nthreads in threads:
@@ -131,8 +137,14 @@ def layer_rows(shapes, threads, protocol, echo=None):
                     for layer in layers.values():
                         layer.zero_grad(set_to_none=True)
                     fns = {name: step(layer, x, dy) for name, layer in layers.items()}
-                    times = measure(fns, protocol, subjects=tuple(fns),
-                                    count=lambda: {"faults": minor_faults()})
+                    installed = cache is not None and cache.on()
+                    try:
+                        times = measure(fns, protocol, subjects=tuple(fns),
+                                        count=lambda: {"faults": minor_faults()})
+                    finally:
+                        if installed:
+                            cache.off()
+                            cache.flush()
                     for name, ours, _ in PAIRS:
                         row = make_row(name, shape, memory_format, nthreads, times,
                                        f"{ours} ours", f"{name} torch", errs[name])
