@@ -99,6 +99,13 @@ MOBILENETV2_B50 = {
     "mnv2b50-1280x7": (50, 1280, 7, 7),      # 1: head
 }
 
+# Wide channel-last rows (600-1024 channels of 14x14 to 16x16 maps: transformer-sized
+# channel counts on CNN maps), where each row is a page or more of x.
+WIDE = {
+    "wide-768x16": (32, 768, 16, 16),
+    "wide-1024x14": (64, 1024, 14, 14),
+}
+
 # How many batch-norm layers of the network have each shape (the comments above, as data).
 LAYERS = {
     **dict(zip(RESNET50_B50, (1, 6, 4, 1, 7, 5, 1, 11, 7, 1, 5, 4))),
@@ -114,6 +121,7 @@ GROUPS = {
     "SMALL_ODD": SMALL_ODD,
     "RESNET50_B50": RESNET50_B50,
     "MOBILENETV2_B50": MOBILENETV2_B50,
+    "WIDE": WIDE,
 }
 
 ALL = {name: shape for group in GROUPS.values() for name, shape in group.items()}

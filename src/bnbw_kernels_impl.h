@@ -357,12 +357,14 @@ BNBW_INLINE void k__reduce_rows_blocked(const bnbw_io *io, int64_t rows, int64_t
 /* Short rows go four at a time: for each run of 16 channels the sums are loaded, the four rows
  * added in row order and the sums stored back.  Walking all rows per channel run instead would
  * visit addresses a row stride apart, which for power-of-two strides all fall into one L1 set.
- * When the rows stream from memory (`streaming`), rows of 257 B to 2 KiB go one at a time
- * instead: four of them interleaved line by line within a page or two defeat the hardware
- * prefetcher.  Either way each channel adds its rows in row order: the same bits. */
+ * When the rows stream from memory (`streaming`), rows of 257 B to 4 KiB go one at a time
+ * instead: four of them interleaved line by line across a page or more defeat the hardware
+ * prefetchers, which follow one stream within a page; the sums of a row (16 B a channel, at
+ * most 16 KiB) stay in L1 from row to row.  Wider rows go four at a time again: their sums
+ * would crowd the L1.  Either way each channel adds its rows in row order: the same bits. */
 #define K__ROW_GROUP 4
 #define K__ONE_ROW_FROM 257
-#define K__ONE_ROW_TO 2048
+#define K__ONE_ROW_TO 4096
 
 BNBW_INLINE void k_reduce_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
                                double *sum_g, double *sum_xg, int streaming, int sums, int dt,
@@ -375,16 +377,28 @@ BNBW_INLINE void k_reduce_rows(const bnbw_io *io, int64_t rows, int64_t n, const
         k__reduce_rows_blocked(io, rows, n16, mean, sum_g, sum_xg, dt, mdt);
         group = BNBW_BLOCK_ROWS;
     } else {
-        for (int64_t r = 0; r < rows; r += group) {
-            int64_t nr = rows - r < group ? rows - r : group;
-            for (int64_t c = 0; c < n16; c += 16) {
-                vd G = vd_loadu(sum_g + c), P = vd_loadu(sum_xg + c);
-                const vw mw = vw_loadu(mean + c);
-                for (int64_t j = r; j < r + nr; ++j)
+        if (group == 1) {
+            for (int64_t j = 0; j < rows; ++j)
+                for (int64_t c = 0; c < n16; c += 16) {
+                    vd G = vd_loadu(sum_g + c), P = vd_loadu(sum_xg + c);
                     K__ACCUMULATE_W(G, P, k__gw_rows(io, j, c, dt, mdt),
-                                    vw_sub(vw_load(io->x, j * io->x_step + c, 1, dt), mw));
-                vd_storeu(sum_g + c, G);
-                vd_storeu(sum_xg + c, P);
+                                    vw_sub(vw_load(io->x, j * io->x_step + c, 1, dt),
+                                           vw_loadu(mean + c)));
+                    vd_storeu(sum_g + c, G);
+                    vd_storeu(sum_xg + c, P);
+                }
+        } else {
+            for (int64_t r = 0; r < rows; r += group) {
+                int64_t nr = rows - r < group ? rows - r : group;
+                for (int64_t c = 0; c < n16; c += 16) {
+                    vd G = vd_loadu(sum_g + c), P = vd_loadu(sum_xg + c);
+                    const vw mw = vw_loadu(mean + c);
+                    for (int64_t j = r; j < r + nr; ++j)
+                        K__ACCUMULATE_W(G, P, k__gw_rows(io, j, c, dt, mdt),
+                                        vw_sub(vw_load(io->x, j * io->x_step + c, 1, dt), mw));
+                    vd_storeu(sum_g + c, G);
+                    vd_storeu(sum_xg + c, P);
+                }
             }
         }
     }
@@ -636,15 +650,26 @@ BNBW_INLINE void k_stats_rows(const bnbw_io *io, int64_t rows, int64_t n, const 
     const int64_t n16 = n - n % 16, row_bytes = io->x_step * BNBW__ISZ(dt);
     const int64_t group = streaming && row_bytes >= K__ONE_ROW_FROM && row_bytes <= K__ONE_ROW_TO
                           ? 1 : K__ROW_GROUP;
-    for (int64_t r = 0; r < rows; r += group) {
-        const int64_t nr = rows - r < group ? rows - r : group;
-        for (int64_t c = 0; c < n16; c += 16) {
-            vd S = vd_loadu(sum + c), Q = vd_loadu(sum_sq + c);
-            const vd sd = vd_widen(vw_loadu(shift + c));
-            for (int64_t j = r; j < r + nr; ++j)
-                K__STATS(S, Q, vw_load(io->x, j * io->x_step + c, 1, dt), sd);
-            vd_storeu(sum + c, S);
-            vd_storeu(sum_sq + c, Q);
+    if (group == 1) {
+        for (int64_t j = 0; j < rows; ++j)
+            for (int64_t c = 0; c < n16; c += 16) {
+                vd S = vd_loadu(sum + c), Q = vd_loadu(sum_sq + c);
+                K__STATS(S, Q, vw_load(io->x, j * io->x_step + c, 1, dt),
+                         vd_widen(vw_loadu(shift + c)));
+                vd_storeu(sum + c, S);
+                vd_storeu(sum_sq + c, Q);
+            }
+    } else {
+        for (int64_t r = 0; r < rows; r += group) {
+            const int64_t nr = rows - r < group ? rows - r : group;
+            for (int64_t c = 0; c < n16; c += 16) {
+                vd S = vd_loadu(sum + c), Q = vd_loadu(sum_sq + c);
+                const vd sd = vd_widen(vw_loadu(shift + c));
+                for (int64_t j = r; j < r + nr; ++j)
+                    K__STATS(S, Q, vw_load(io->x, j * io->x_step + c, 1, dt), sd);
+                vd_storeu(sum + c, S);
+                vd_storeu(sum_sq + c, Q);
+            }
         }
     }
     if (n16 < n) {                 /* the last t < 16 channels: sums in registers, all rows */
