@@ -13,6 +13,7 @@
 
 #include "bnbw_half.h"
 #include "bnbw_kernels.h"
+#include "bnbw_simd_scalar.h"
 
 #define BNBW_SIMD_BODY BNBW_BODY_AVX2
 /* Contiguous bf16 rows load cheapest as even and odd elements (a shift and a mask of one load,
@@ -520,28 +521,7 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
         }
         return;
     }
-    int64_t isz = dt == BNBW_F32 ? 4 : 2;
-    for (int64_t l = 0; l < t; ++l) {
-        const char *m = (const char *)mask + (i + l) * mask_step * (mdt == BNBW_BOOL ? 1 : isz);
-        int on;
-        if (mdt == BNBW_BOOL) {
-            on = *m != 0;
-        } else if (mdt == BNBW_F32) {
-            float f;
-            memcpy(&f, m, 4);
-            on = f > 0.0f;
-        } else {
-            uint16_t h;
-            memcpy(&h, m, 2);
-            on = (mdt == BNBW_F16 ? bnbw_f16_to_f32((bnbw_f16){h}) : bnbw_bf16_to_f32((bnbw_bf16){h}))
-                 > 0.0f;
-        }
-        char *d = (char *)dst + (i + l) * dst_step * isz;
-        if (on)
-            memcpy(d, (const char *)src + (i + l) * src_step * isz, (size_t)isz);
-        else
-            memset(d, 0, (size_t)isz);
-    }
+    bnbw_copy_active_elements(dst, dst_step, src, src_step, mask, mask_step, i, t, dt, mdt);
 }
 
 /* Leaving a kernel: clear the upper register halves, which gcc does not do on leaving a

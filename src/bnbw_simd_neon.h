@@ -26,6 +26,7 @@
 
 #include "bnbw_half.h"
 #include "bnbw_kernels.h"
+#include "bnbw_simd_scalar.h"
 
 #define BNBW_SIMD_BODY BNBW_BODY_NEON
 /* Element order costs nothing here (LD1 + SHLL widens, RADDHN narrows in order), and the
@@ -443,28 +444,7 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
         vst1q_u16_x2((uint16_t *)dst + i, s);
         return;
     }
-    const int64_t isz = v__isz(dt), msz = mdt == BNBW_BOOL ? 1 : isz;
-    for (int64_t l = 0; l < t && l < 16; ++l) {
-        const char *m = (const char *)mask + (i + l) * mask_step * msz;
-        int on;
-        if (mdt == BNBW_BOOL) {
-            on = *m != 0;
-        } else if (mdt == BNBW_F32) {
-            float f;
-            memcpy(&f, m, 4);
-            on = f > 0.0f;
-        } else {
-            uint16_t h;
-            memcpy(&h, m, 2);
-            on = (mdt == BNBW_F16 ? bnbw_f16_to_f32((bnbw_f16){h})
-                                  : bnbw_bf16_to_f32((bnbw_bf16){h})) > 0.0f;
-        }
-        char *d = (char *)dst + (i + l) * dst_step * isz;
-        if (on)
-            memcpy(d, (const char *)src + (i + l) * src_step * isz, (size_t)isz);
-        else
-            memset(d, 0, (size_t)isz);
-    }
+    bnbw_copy_active_elements(dst, dst_step, src, src_step, mask, mask_step, i, t, dt, mdt);
 }
 
 /* A streamed line is stored plainly: STNP's non-temporal hint is left for a change measured on

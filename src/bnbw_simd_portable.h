@@ -50,6 +50,7 @@
 
 #include "bnbw_half.h"
 #include "bnbw_kernels.h"
+#include "bnbw_simd_scalar.h"
 
 #define BNBW_SIMD_BODY BNBW_BODY_PORTABLE
 /* Lane order the elementwise kernels use for contiguous bf16 rows (see bnbw_simd_avx2.h). */
@@ -692,20 +693,6 @@ BNBW_INLINE vm v_active_part(const void *mask, int64_t i, int64_t t, int64_t ste
     return v__bool_lanes(buf);
 }
 
-BNBW_INLINE int v__active(const void *mask, int64_t e, int mdt)
-{
-    if (mdt == BNBW_BOOL)
-        return ((const unsigned char *)mask)[e] != 0;
-    if (mdt == BNBW_F32) {
-        float f;
-        memcpy(&f, (const char *)mask + 4 * e, 4);
-        return f > 0.0f;
-    }
-    uint16_t h;
-    memcpy(&h, (const char *)mask + 2 * e, 2);
-    return (mdt == BNBW_F16 ? bnbw_f16_to_f32((bnbw_f16){h}) : bnbw_bf16_to_f32((bnbw_bf16){h}))
-           > 0.0f;
-}
 
 /* dst element e = src element e where the mask is active, +0 elsewhere, for the t <= 16
  * elements i..: the bits themselves, so a NaN's payload survives. */
@@ -731,13 +718,7 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
         }
         return;
     }
-    for (int64_t l = 0; l < t; ++l) {
-        char *d = (char *)dst + (i + l) * dst_step * isz;
-        if (v__active(mask, (i + l) * mask_step, mdt))
-            memcpy(d, (const char *)src + (i + l) * src_step * isz, (size_t)isz);
-        else
-            memset(d, 0, (size_t)isz);
-    }
+    bnbw_copy_active_elements(dst, dst_step, src, src_step, mask, mask_step, i, t, dt, mdt);
 }
 
 #undef V__Q
@@ -889,24 +870,19 @@ BNBW_INLINE vw vw_load_part(const void *row, int64_t i, int64_t t, int64_t step,
     return v_load_part(row, i, t, step, dt);
 }
 
-BNBW_INLINE int v__active(const void *mask, int64_t e, int mdt)
-{
-    if (mdt == BNBW_BOOL)
-        return ((const unsigned char *)mask)[e] != 0;
-    return v__get(mask, e, mdt) > 0.0f;
-}
 
 BNBW_INLINE vm v_active(const void *mask, int64_t i, int64_t step, int mdt, int eo)
 {
     vm r;
-    BNBW__LANES(l) r.v[l] = (unsigned char)v__active(mask, (i + v__element(l, eo)) * step, mdt);
+    BNBW__LANES(l)
+        r.v[l] = (unsigned char)bnbw_mask_active(mask, (i + v__element(l, eo)) * step, mdt);
     return r;
 }
 
 BNBW_INLINE vm v_active_part(const void *mask, int64_t i, int64_t t, int64_t step, int mdt)
 {
     vm r;
-    BNBW__LANES(l) r.v[l] = (unsigned char)(l < t && v__active(mask, (i + l) * step, mdt));
+    BNBW__LANES(l) r.v[l] = (unsigned char)(l < t && bnbw_mask_active(mask, (i + l) * step, mdt));
     return r;
 }
 
@@ -916,14 +892,7 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
                                const void *mask, int64_t mask_step, int64_t i, int64_t t,
                                int dt, int mdt)
 {
-    int64_t isz = dt == BNBW_F32 ? 4 : 2;
-    for (int64_t l = 0; l < t; ++l) {
-        char *d = (char *)dst + (i + l) * dst_step * isz;
-        if (v__active(mask, (i + l) * mask_step, mdt))
-            memcpy(d, (const char *)src + (i + l) * src_step * isz, (size_t)isz);
-        else
-            memset(d, 0, (size_t)isz);
-    }
+    bnbw_copy_active_elements(dst, dst_step, src, src_step, mask, mask_step, i, t, dt, mdt);
 }
 
 #endif /* BNBW__GNU_VECTORS */
