@@ -43,6 +43,7 @@ peer's allocator), checks.py (against the reference), runner.py (one row), torch
 report.py (table, JSON, plot), this file (the command line).
 """
 import argparse
+import importlib.util
 import os
 import sys
 from dataclasses import asdict
@@ -225,6 +226,9 @@ def main(argv=None):
     notes += runner.notes
     if probe.note:
         notes.append(probe.note)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        notes.append(f"plot {args.plot} not drawn: matplotlib is not installed")
+        args.plot = ""
 
     info = machine_info(threads)
     if runner.onednn is not None:

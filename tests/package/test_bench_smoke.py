@@ -592,6 +592,9 @@ def test_command_line_forward_rows_and_layers(tmp_path, capsys, monkeypatch):
                        "--layers", "--json", str(path), "--plot", str(tmp_path / "r.png")])
     assert status == 0
     printed = capsys.readouterr().out
+    drawn = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "r.png").exists() == drawn
+    assert ("not drawn: matplotlib is not installed" in printed) == (not drawn)
     assert "err dx|y" in printed and "forward and forward-relu 12" in printed
     assert " forward " in printed.replace("  ", " ") and "xunfus" in printed
     table = [line.split() for line in printed.splitlines() if line.startswith("tiny-2d")]
