@@ -18,15 +18,15 @@
  *     target has no registers that wide.  Nothing here is an instruction set's intrinsic.
  *   plain C (any other compiler, or BNBW_PORTABLE_SCALAR defined)
  *     vf, vd, vm   arrays of 16 lanes, each operation a loop over the lanes.
- * tests/portable/check_layer.c checks both, and tests/test_digests.py the kernels built on
- * them, against the same recorded results.
+ * tests/engine/portable/check_layer.c checks both, and tests/engine/test_digests.py the
+ * kernels built on them, against the same recorded results.
  *
  * The arithmetic.  Every lane operation is one IEEE operation of its type, rounded to nearest
  * even; FP contraction is off (-ffp-contract=off), so a * b + c rounds twice unless written as
  * vf_fma.  vf_fma is fmaf: a * b + c rounded once.  Where the target has an FMA instruction
  * (BNBW__FMA_INSTRUCTION) it is that instruction; elsewhere (the x86-64 baseline, where fmaf is
  * a libm call) it is computed exactly in f64: v__fmaf_exact below says how, vf_fma does the
- * same 16 lanes at a time with a fast path, and tests/portable/ checks both against fmaf.
+ * same 16 lanes at a time with a fast path, and tests/engine/portable/ checks both against fmaf.
  * The floating-point environment is the default one (round to nearest, no flushing of
  * subnormals), as for every other operation of the kernels.
  *
@@ -83,7 +83,8 @@
 #endif
 
 /* An FMA instruction for f32: fmaf is that instruction, and a lane loop of them vectorises.
- * BNBW_PORTABLE_EMULATED_FMA takes the emulation anyway (tests/portable/ checks it everywhere). */
+ * BNBW_PORTABLE_EMULATED_FMA takes the emulation anyway (tests/engine/portable/ checks it
+ * everywhere). */
 #if !defined(BNBW_PORTABLE_EMULATED_FMA)                                                       \
     && (defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__FP_FAST_FMAF) || defined(FP_FAST_FMAF))
 #define BNBW__FMA_INSTRUCTION 1

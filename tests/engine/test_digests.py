@@ -371,8 +371,8 @@ def record():
                 sys.exit(f"not recorded: body {body} at {threads} thread(s) differs from the "
                          f"portable body on {len(wrong)} calls, e.g. {wrong[:3]}")
     doc = {
-        "about": "SHA-256 digests of tests/test_digests.py's calls (every NaN as one pattern); "
-                 "regenerate with: python tests/engine/test_digests.py --record",
+        "about": "SHA-256 digests of tests/engine/test_digests.py's calls (every NaN as one "
+                 "pattern); regenerate with: python tests/engine/test_digests.py --record",
         "digests": want,
     }
     with open(DIGESTS, "w") as f:

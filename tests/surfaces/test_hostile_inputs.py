@@ -87,8 +87,8 @@ def dml_case(n=4, c=3, w=2):
 # ---- a C caller of include/bnbw_native.h, built once ---------------------------------------
 
 CAPI_SOURCE = r"""
-/* A C caller for tests/test_hostile_inputs.py: one operator, described from Python, executed on
- * raw addresses, reporting the status as the C API names it. */
+/* A C caller for tests/surfaces/test_hostile_inputs.py: one operator, described from Python,
+ * executed on raw addresses, reporting the status as the C API names it. */
 #include <Python.h>
 #include <stdint.h>
 #include "bnbw_native.h"

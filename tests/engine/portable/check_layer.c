@@ -10,7 +10,7 @@
  *                   rounding points and random ones (all 2^32 with --exhaustive)
  *   v_active, v_copy_active, vm_finite2, vd_fold, vd_select   their scalar meaning
  *
- * tests/test_portable_layer.py builds it twice - with the layer's GNU C vectors and with its
+ * tests/engine/test_portable_layer.py builds it twice - with the layer's GNU C vectors and with its
  * plain C (-DBNBW_PORTABLE_SCALAR) - with the package's flags, and runs it; it can also be
  * cross-built and run under qemu.  Inputs come from a fixed integer generator, so every run
  * checks the same cases.

@@ -1,8 +1,8 @@
 /*
  * example.c - bnbw_native's DirectML operators called from C through include/bnbw_native.h.
  *
- * tests/test_capi.py builds this file as the extension module `bnbw_capi_example` and checks
- * what it returns against the float64 reference.  `demo` is the walk-through: strided tensors
+ * tests/surfaces/test_capi.py builds this file as the extension module `bnbw_capi_example` and
+ * checks what it returns against the float64 reference.  `demo` is the walk-through: strided tensors
  * in malloc'd memory, both operators, no GIL held while they run.  `run` does the same for any
  * layout the test chooses, `errors` collects the status of refused calls, `concurrent` executes
  * one operator from several threads at once.  `training` runs the training forward on raw
