@@ -171,12 +171,17 @@ def test_sdist_builds_a_wheel_that_passes_the_sdists_own_tests(sdist, tmp_path):
         size = sum(i.file_size for i in zf.infolist())
         elf = sys.platform.startswith("linux") and sys.maxsize > 2**32
         run_paths = {n: elf_run_paths(zf.read(n)) for n in names if elf and n.endswith(".so")}
-    assert len(run_paths) == (5 if elf else 0)
+        debug = {n: elf_debug_sections(zf.read(n)) for n in run_paths}
+    modules = len(list((tree / "bnbw_native").glob("*.pyx")))     # one extension each
+    assert modules >= 8 and len(run_paths) == (modules if elf else 0), sorted(run_paths)
     assert not any(run_paths.values()), run_paths      # no run path at all before a repair
     assert not [n for n in names if n.endswith((".c", ".html"))]
     assert f"{NAME}.dist-info/licenses/LICENSE" in names
     assert "bnbw_native/py.typed" in names and "bnbw_native/_build_info.py" in names
-    assert size < 2_500_000, size
+    assert not any(debug.values()), debug               # built with -g0
+    # the kernel bodies (portable, AVX2, AVX-512 on x86-64) are about 2.7 MB of machine code;
+    # far more would be generated C or debugging information shipped by mistake
+    assert size < 6_000_000, size
 
     # a new environment that sees this one's packages (numpy, pytest, ...) behind its own
     venv = tmp_path / "venv"
@@ -217,23 +222,29 @@ def test_sdist_builds_a_wheel_that_passes_the_sdists_own_tests(sdist, tmp_path):
 DT_RPATH, DT_RUNPATH = 15, 29
 
 
+def _elf_sections(data):
+    """(name, sh_type, sh_offset, sh_size, sh_link) of each section of a 64-bit little-endian
+    ELF shared object (its bytes)."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link
+    headers = [struct.unpack_from("<IIQQQQI", data, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+    for name, kind, _, _, offset, size, link in headers:
+        start = names_at + name
+        yield data[start:data.index(b"\0", start)].decode(), kind, offset, size, link
+
+
 def elf_run_paths(data):
     """The RPATH and RUNPATH entries of a 64-bit little-endian ELF shared object (its bytes),
     as a list of directories."""
-    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-
-    def section(i):
-        # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link
-        return struct.unpack_from("<IIQQQQI", data, shoff + i * shentsize)
-
+    sections = list(_elf_sections(data))
     found = []
-    for i in range(shnum):
-        _, kind, _, _, offset, size, link = section(i)
+    for _, kind, offset, size, link in sections:
         if kind != 6:                                   # SHT_DYNAMIC
             continue
-        strings_offset = section(link)[4]
+        strings_offset = sections[link][2]
         for at in range(offset, offset + size, 16):
             tag, value = struct.unpack_from("<qQ", data, at)
             if tag in (DT_RPATH, DT_RUNPATH):
@@ -242,8 +253,14 @@ def elf_run_paths(data):
     return found
 
 
+def elf_debug_sections(data):
+    """The names of an ELF shared object's debugging sections (.debug_*, DWARF)."""
+    return [name for name, *_ in _elf_sections(data) if name.startswith(".debug")]
+
+
 def test_elf_run_paths_reads_what_the_linker_wrote(tmp_path):
-    """The reader above against a library linked here with two run paths."""
+    """The readers above against libraries linked here: two run paths, none; with and without
+    debugging information."""
     cc = c_compiler()
     if cc is None or not sys.platform.startswith("linux") or sys.maxsize < 2**32:
         pytest.skip("needs a C compiler making 64-bit ELF (Linux)")
@@ -253,6 +270,10 @@ def test_elf_run_paths_reads_what_the_linker_wrote(tmp_path):
         lib = tmp_path / "libf.so"
         subprocess.run([cc, "-shared", "-fPIC", str(source), "-o", str(lib), *flags], check=True)
         assert elf_run_paths(lib.read_bytes()) == want
+    subprocess.run([cc, "-shared", "-fPIC", "-g", str(source), "-o", str(lib)], check=True)
+    assert ".debug_info" in elf_debug_sections(lib.read_bytes())
+    subprocess.run([cc, "-shared", "-fPIC", "-g0", str(source), "-o", str(lib)], check=True)
+    assert elf_debug_sections(lib.read_bytes()) == []
 
 
 def _forbidden_run_path(entry):
