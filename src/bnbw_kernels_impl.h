@@ -357,22 +357,33 @@ BNBW_INLINE void k__reduce_rows_blocked(const bnbw_io *io, int64_t rows, int64_t
 /* Short rows go four at a time: for each run of 16 channels the sums are loaded, the four rows
  * added in row order and the sums stored back.  Walking all rows per channel run instead would
  * visit addresses a row stride apart, which for power-of-two strides all fall into one L1 set.
- * When the rows stream from memory (`streaming`), rows of 257 B to 4 KiB go one at a time
- * instead: four of them interleaved line by line across a page or more defeat the hardware
- * prefetchers, which follow one stream within a page; the sums of a row (16 B a channel, at
- * most 16 KiB) stay in L1 from row to row.  Wider rows go four at a time again: their sums
- * would crowd the L1.  Either way each channel adds its rows in row order: the same bits. */
+ * When the rows stream from memory (`streaming`), a row goes on its own when the kernel reads
+ * more than 256 B of it (x and dy in the backward: rows of more than 32 f32 channels; x alone
+ * for the forward's statistics: more than 64) and x's row is at most 4 KiB: four rows
+ * interleaved line by line defeat the hardware prefetchers, which follow one stream in address
+ * order, and the sums of a row (16 B a channel, at most 16 KiB) stay in L1 from row to row.
+ * Below 256 B per row, loading and storing the sums for every row costs more than the order
+ * saves; wider rows go four at a time again, as their sums would crowd the L1.  Either way each
+ * channel adds its rows in row order: the same bits. */
 #define K__ROW_GROUP 4
-#define K__ONE_ROW_FROM 257
+#define K__ONE_ROW_READS 257
 #define K__ONE_ROW_TO 4096
+
+/* Rows per visit of a channel run: `arrays` rows of x's width are read per row (x, or x and
+ * dy). */
+BNBW_INLINE int64_t k__row_group(const bnbw_io *io, int arrays, int streaming, int dt)
+{
+    const int64_t row_bytes = io->x_step * BNBW__ISZ(dt);
+    return streaming && arrays * row_bytes >= K__ONE_ROW_READS && row_bytes <= K__ONE_ROW_TO
+           ? 1 : K__ROW_GROUP;
+}
 
 BNBW_INLINE void k_reduce_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
                                double *sum_g, double *sum_xg, int streaming, int sums, int dt,
                                int mdt)
 {
-    const int64_t n16 = n - n % 16, row_bytes = io->x_step * BNBW__ISZ(dt);
-    int64_t group = streaming && row_bytes >= K__ONE_ROW_FROM && row_bytes <= K__ONE_ROW_TO
-                    ? 1 : K__ROW_GROUP;
+    const int64_t n16 = n - n % 16;
+    int64_t group = k__row_group(io, 2, streaming, dt);
     if (sums != BNBW_EXACT_SUMS) {     /* a group is a block */
         k__reduce_rows_blocked(io, rows, n16, mean, sum_g, sum_xg, dt, mdt);
         group = BNBW_BLOCK_ROWS;
@@ -647,9 +658,7 @@ BNBW_INLINE void k_normalize_row(const bnbw_io *io, int64_t n, float mean, float
 BNBW_INLINE void k_stats_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
                               double *sum, double *sum_sq, int streaming, int dt)
 {
-    const int64_t n16 = n - n % 16, row_bytes = io->x_step * BNBW__ISZ(dt);
-    const int64_t group = streaming && row_bytes >= K__ONE_ROW_FROM && row_bytes <= K__ONE_ROW_TO
-                          ? 1 : K__ROW_GROUP;
+    const int64_t n16 = n - n % 16, group = k__row_group(io, 1, streaming, dt);
     if (group == 1) {
         for (int64_t j = 0; j < rows; ++j)
             for (int64_t c = 0; c < n16; c += 16) {
