@@ -59,6 +59,7 @@ def describe(
     partial: Any = None,
     count: Any = None,
     exact_sums: bool = False,
+    momentum: Any = 0.5,
 ) -> dict[str, Any]: ...
 def forward(
     conv: Convention,

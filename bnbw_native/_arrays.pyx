@@ -529,15 +529,16 @@ def backward(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None
 
 def describe(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None,
              data_format="NXC", num_threads=None, *, beta=None, relu_dst=None,
-             diff_residual=None, partial=None, count=None, bint exact_sums=False):
+             diff_residual=None, partial=None, count=None, bint exact_sums=False,
+             momentum=0.5):
     """What the engine would do with this call, without running it: the plan and the schedule
-    as a dict (for tests and benchmarks)."""
+    as a dict (for tests and benchmarks).  Forward formulas take dy None."""
     cdef Arg a[N_ROLES]
     cdef Call c
     cdef Layout layout
     c.op = formula | (OP_EXACT_SUMS if exact_sums else 0)
     _prepare(conv, &c, a, x, dy, mean, var, scale, epsilon, data_format, None, num_threads,
-             beta, relu_dst, diff_residual, partial, count, None)
+             beta, relu_dst, diff_residual, partial, count, momentum)
     layout_of(&conv.rules, a, c.axis, &layout)
     return engine_describe(&layout, c.op, c.requested)
 

@@ -33,7 +33,8 @@ same places on every schedule, so that where a kernel call starts never changes 
 """
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy, memmove
+from libc.math cimport NAN
+from libc.string cimport memcpy, memmove, memset
 from cython.parallel cimport prange
 
 from bnbw_native._vocabulary cimport (
@@ -88,6 +89,26 @@ def set_stream_policy(str policy):
     previous = {v: k for k, v in STREAM_POLICIES.items()}[stream_policy]
     stream_policy = STREAM_POLICIES[policy]
     return previous
+
+
+# Scratch poisoning (tests): block sums and per-channel floats start as NaN instead of
+# whatever malloc returns, so that a pass reading scratch it did not write shows in the result.
+cdef bint poison_scratch = False
+
+
+def set_scratch_poison(bint on):
+    """Fill every call's scratch with NaN before its passes (True) or not; returns the previous
+    setting.  Results never change when every pass writes before it reads."""
+    global poison_scratch
+    previous = poison_scratch
+    poison_scratch = on
+    return previous
+
+
+cdef void _fill_nan(double *a, int64_t n) noexcept nogil:
+    cdef int64_t i
+    for i in range(n):
+        a[i] = NAN
 
 
 cdef int64_t cache_share(int nthreads) noexcept nogil:
@@ -446,7 +467,8 @@ cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *s
                      double *sum_xg) noexcept nogil:
     """Row block rb, channel group grp: the block's rows in one kernel call when they share
     one stride, else one at a time.  Sums accumulate row by row, in row order, into the
-    block's own partial arrays."""
+    block's own partial arrays, which a reduce clears first (a forward's second pass reuses
+    them)."""
     cdef const Plan *p = w.p
     cdef int64_t c0 = grp * w.s.group
     cdef int64_t width = imin(w.s.group, p.channels - c0)
@@ -455,6 +477,9 @@ cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *s
     cdef int64_t off[N_BIG]
     cdef int64_t row_stride[N_BIG]
     cdef bnbw_io io
+    if what & OP_REDUCE:
+        memset(sum_g + c0, 0, width * sizeof(double))
+        memset(sum_xg + c0, 0, width * sizeof(double))
     io_start(w, &io)
     if p.n_outer == 1:
         for t in range(N_BIG):
@@ -723,7 +748,8 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     w.again = <unsigned char *> calloc(C, 1)
     w.partial = NULL
     if s.kind != SCHED_NOTHING and s.partial_doubles:
-        partial_memory = <double *> calloc(s.partial_doubles + 8, sizeof(double))
+        # every item clears the block sums it adds to: no zeroing here
+        partial_memory = <double *> malloc((s.partial_doubles + 8) * sizeof(double))
         w.partial = <double *> ((<size_t> partial_memory + 63) & ~(<size_t> 63))
     if (stats == NULL or sums == NULL or w.again == NULL
             or (s.kind != SCHED_NOTHING and s.partial_doubles and partial_memory == NULL)):
@@ -732,6 +758,10 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
         free(w.again)
         free(partial_memory)
         return -1
+    if poison_scratch:
+        _fill_nan(<double *> partial_memory, s.partial_doubles + 8 if partial_memory else 0)
+        for c in range(4 * C):
+            stats[c] = <float> NAN
     w.p = p
     w.s = s
     w.k = k

@@ -1,0 +1,205 @@
+"""Every schedule writes its scratch before it reads it, in every pass.
+
+A call's scratch - the row blocks' partial sums, the per-channel floats - is reused between
+passes: the training forward sums a channel again around fl32(mean) when the first pass's sums,
+taken around the channel's first element, cancel too much (contract §10).  A pass that added to
+the sums of the pass before instead of replacing them gave a mean of shift + 2·(mean - shift)
+on channel-last plans of several row blocks, silently.
+
+Two guards here:
+
+* the property test: every schedule (forced by layout, channel count, thread count and cache
+  model; `describe()` says which one ran) × row/element counts on both sides of a block
+  boundary (and of a kernel tile on channel-major rows) × where an outlier sits (the channel's
+  first element, which the forward sums around first; the first row of a later block; the last
+  element), against a float64 NumPy reference written here, and bit for bit across schedules;
+* scratch poisoning: `_schedules.set_scratch_poison(True)` fills each call's scratch with NaN,
+  so that any pass reading what it did not write gives NaN, not a plausible number.
+"""
+import numpy as np
+import pytest
+
+from bnbw_native import (_arrays, _schedules, backward_reduce, batchnorm_training_backward,
+                         batchnorm_training_forward)
+from bnbw_native._onednn_graph import GRAPH
+
+NO_CACHE = (1 << 10, 1 << 12, 64)          # nothing fits: smallest fused groups
+LARGE_CACHE = (8 << 20, 1 << 30, 2)        # everything fits: widest fused groups
+EPS = 1e-5
+BASE, OUTLIER = 3.0, 5000.0                # noise around BASE; the outlier BASE + OUTLIER
+
+
+@pytest.fixture(autouse=True)
+def poisoned_scratch():
+    before = _schedules.cache_model()
+    previous = _schedules.set_scratch_poison(True)
+    yield
+    _schedules.set_scratch_poison(previous)
+    _schedules.set_cache_model(*before)
+
+
+# Each case: a name, the array shape, data_format and the count per block (rows for NXC,
+# reduced elements for NCX).  Channel-last blocks are 131072 // C elements in rows of multiples
+# of 16 within 128..1024 rows; channel-major blocks are 32768 elements (whole rows when a row
+# fits in one), rows cut into tiles of 2048.  A first element far from its channel's mean makes
+# the forward sum again only past 4096 elements per channel (the outlier's own share of the
+# variance), so every case has more.
+CASES = []
+for rows in (5 * 1024 - 1, 5 * 1024, 5 * 1024 + 1):       # 4 channels: 1024-row blocks
+    CASES.append((f"nxc-C4-rows{rows}", (rows, 4), "NXC", 1024))
+for rows in (2 * 3280 - 1, 2 * 3280, 2 * 3280 + 1):       # 40 channels: 3280-row blocks
+    CASES.append((f"nxc-C40-rows{rows}", (rows, 40), "NXC", 3280))
+# rows one at a time (no common row stride): channels 2..7 of 9, rank 3
+CASES.append(("nxc-strided", (5, 1025, 6), "NXC", 1024))
+for n in (511, 512, 513):                                   # whole 64-element rows
+    CASES.append((f"ncx-rows64-n{n}", (n, 3, 64), "NCX", 32768))
+for length in (32767, 32768, 32769):                        # blocks cut rows
+    CASES.append((f"ncx-row{length}", (1, 3, length), "NCX", 32768 // length * length or 32768))
+CASES.append(("ncx-row2049", (17, 3, 2049), "NCX", 15 * 2049))   # rows cross a tile
+
+
+def _zeros(case):
+    name, shape, _, _ = case
+    if name == "nxc-strided":
+        return np.zeros((5, 1025, 9), np.float32)[:, :, 2:8]
+    return np.zeros(shape, np.float32)
+
+
+def _make(case, rng, where):
+    """The case's x: noise around BASE, and in each channel one outlier at `where`, the
+    position in the channel's reduced elements in the engine's order (row-major over the
+    reduced dims)."""
+    _, _, data_format, block = case
+    x = _zeros(case)
+    x[...] = rng.standard_normal(x.shape) + BASE
+    for c in range(x.shape[-1 if data_format == "NXC" else 1]):
+        values = x[..., c] if data_format == "NXC" else x[:, c]      # a view
+        pos = {"first": 0, "later-block": min(block, values.size - 1),
+               "last": values.size - 1}[where]
+        values[np.unravel_index(pos, values.shape)] = BASE + OUTLIER * (1 + c)
+    return x
+
+
+def _reference(x, data_format, gamma, beta):
+    axis = x.ndim - 1 if data_format == "NXC" else 1
+    axes = tuple(d for d in range(x.ndim) if d != axis)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=axes)
+    var = ((x64 - np.expand_dims(mean, axes)) ** 2).mean(axis=axes)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    r = 1 / np.sqrt(var + EPS)
+    scaled = (gamma * r).reshape(shape) * (x64 - mean.reshape(shape))
+    return mean, var, scaled + beta.reshape(shape), np.abs(scaled) + np.abs(beta).reshape(shape)
+
+
+def _forward(x, data_format, gamma, beta, threads, relu=False):
+    C = x.shape[-1 if data_format == "NXC" else 1]
+    old = np.zeros(C, np.float32), np.ones(C, np.float32)
+    return batchnorm_training_forward(x, *old, gamma, beta, epsilon=EPS, momentum=0.0,
+                                      data_format=data_format, num_threads=threads,
+                                      fuse_relu=relu)
+
+
+def _schedule(x, data_format, threads):
+    C = x.shape[-1 if data_format == "NXC" else 1]
+    z = np.zeros(C, np.float32)
+    return _arrays.describe(GRAPH, _arrays.FORWARD, x, None, z, z + 1, None, EPS, data_format,
+                            threads)["schedule"]
+
+
+def _bits(result):
+    return [np.ascontiguousarray(a).view(np.uint8).tobytes() for a in result]
+
+
+def _runs(x, data_format):
+    """(schedule, bits) of the forward under every thread count and cache model tried."""
+    C = x.shape[-1 if data_format == "NXC" else 1]
+    gamma = np.linspace(0.5, 2.0, C).astype(np.float32)
+    beta = np.linspace(-1.0, 1.0, C).astype(np.float32)
+    runs = []
+    for model in (NO_CACHE, LARGE_CACHE):
+        _schedules.set_cache_model(*model)
+        for threads in (1, 2, 3):
+            result = _forward(x, data_format, gamma, beta, threads)
+            runs.append((_schedule(x, data_format, threads), result))
+    return gamma, beta, runs
+
+
+@pytest.mark.parametrize("where", ["first", "later-block", "last"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_statistics_on_every_schedule_around_block_boundaries(rng, case, where):
+    name, shape, data_format, _ = case
+    x = _make(case, rng, where)
+    gamma, beta, runs = _runs(x, data_format)
+    mean, var, y, size = _reference(x, data_format, gamma, beta)
+    want = _bits(runs[0][1])
+    for schedule, result in runs:
+        assert _bits(result) == want, (schedule, name, where)
+    result = runs[0][1]
+    # contract §10: batch statistics within one float32 ulp of the float64 values
+    ulp = lambda v: np.spacing(np.abs(v).astype(np.float32)).astype(np.float64)  # noqa: E731
+    assert np.all(np.abs(result.batch_mean - mean) <= ulp(mean)), (result.batch_mean, mean)
+    assert np.all(np.abs(result.batch_variance - var) <= ulp(var)), (result.batch_variance, var)
+    # dst within 2^-20 of its terms' size, plus its rounding to float32
+    err = np.abs(result.dst.astype(np.float64) - y)
+    assert np.all(err <= 2.0 ** -20 * size + np.abs(y) * 2.0 ** -24), err.max()
+
+
+def test_the_cases_reach_every_schedule():
+    """The forward's cases above run on all four schedules that sum (and the backward's below
+    on the split ones): nothing is left to chance in the cache model or thread count."""
+    seen = set()
+    for case in CASES:
+        x = _zeros(case)
+        for model in (NO_CACHE, LARGE_CACHE):
+            _schedules.set_cache_model(*model)
+            for threads in (1, 2, 3):
+                seen.add(_schedule(x, case[2], threads))
+    assert seen == {"last-split", "major-sweep", "major-blocks", "major-sweep-fused",
+                    "major-channel-fused"}
+
+
+def test_a_far_first_element_on_many_row_blocks():
+    """The defect as found: 8192 rows of 4 channels, all 0 but the first row at 5.  The mean
+    was shift + 2·(mean - shift) = -4.9988 in every channel."""
+    x = np.zeros((8192, 4), np.float32)
+    x[0] = 5.0
+    result = _forward(x, "NXC", None, None, 1)
+    np.testing.assert_array_equal(result.batch_mean, np.float32(5.0 / 8192))
+    assert np.all(np.abs(result.batch_variance - x.astype(np.float64).var(axis=0))
+                  <= np.spacing(np.float32(x.astype(np.float64).var(axis=0)[0])))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_backward_passes_never_read_unwritten_scratch(rng, case):
+    """Poisoned scratch gives the same bits as clean scratch on every schedule, in every
+    backward formula: the training gradient (plain and masked), diff_src only, the sums."""
+    name, shape, data_format, _ = case
+    x = _make(case, rng, "first")
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    C = x.shape[-1 if data_format == "NXC" else 1]
+    mean, var = x.astype(np.float64).mean(axis=tuple(
+        d for d in range(x.ndim) if d != (x.ndim - 1 if data_format == "NXC" else 1))), None
+    mean = mean.astype(np.float32)
+    var = np.full(C, 4.0, np.float32)
+    gamma = np.linspace(0.5, 2.0, C).astype(np.float32)
+
+    def calls(threads):
+        kw = dict(epsilon=EPS, data_format=data_format, num_threads=threads)
+        return (_bits(batchnorm_training_backward(x, dy, mean, var, gamma, **kw))
+                + _bits(batchnorm_training_backward(x, dy, mean, var, gamma, relu_dst=x > BASE,
+                                                    **kw))
+                + _bits(batchnorm_training_backward(x, dy, mean, var, gamma, num_outputs=1,
+                                                    **kw)[:1])
+                + _bits(backward_reduce(x, dy, mean, data_format=data_format,
+                                        num_threads=threads)[:1]))
+
+    _schedules.set_scratch_poison(False)
+    _schedules.set_cache_model(*NO_CACHE)
+    want = calls(1)
+    _schedules.set_scratch_poison(True)
+    for model in (NO_CACHE, LARGE_CACHE):
+        _schedules.set_cache_model(*model)
+        for threads in (1, 2, 3):
+            assert calls(threads) == want, (name, model, threads)
