@@ -454,11 +454,15 @@ cdef inline void forward_coefficients(float shift, double s1, double s2, double 
         mean = shift + Sum d / M,  var = (Sum d^2 - (Sum d)^2 / M) / M  (biased, >= 0),
         r = 1/sqrt(var + eps),  y = k*(x - mean_hi) + b  with  k = fl32(scale*r),
         mean_hi = fl32(mean),  b = fl32(beta - k*(mean - mean_hi)):
-    the mean's low bits, which x - mean_hi cannot see, go into b."""
+    the mean's low bits, which x - mean_hi cannot see, go into b.  A channel of one value
+    (var 0: every x - mean_hi is 0) takes k = 0 for a finite scale, so y = beta even where
+    scale*r overflows float32 (inf*0 would be NaN)."""
     cdef double off = s1 / count
     cdef double m2 = s2 - s1 * off
     mean[0] = shift + off
     var[0] = (0.0 if m2 < 0 else m2) / count
     k[0] = <float> (scale * (1.0 / sqrt(var[0] + eps)))
+    if var[0] == 0.0 and scale - scale == 0:
+        k[0] = 0.0
     mean_hi[0] = <float> mean[0]
     b[0] = <float> (beta - <double> k[0] * (mean[0] - <double> mean_hi[0]))

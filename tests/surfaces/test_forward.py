@@ -258,6 +258,51 @@ def test_one_element_per_channel(rng, dtype):
     assert np.array_equal(got.dst[0], stats[3].astype(dtype))
 
 
+@pytest.mark.parametrize("dtype", STORAGE, ids=STORAGE_IDS)
+@pytest.mark.parametrize("x_value, M, gamma, eps", [
+    (3.0, 4, 1e37, 1e-5),       # gamma * r = 3.2e39: past float32, every x the mean
+    (-2.5, 1, 1e17, 1e-44),     # M = 1 with r = 1e22
+    (0.0, 7, -3e38, 1e-45),     # a negative gamma, the smallest epsilon
+], ids=["constant", "one", "negative-gamma"])
+def test_a_channel_of_one_value_gives_beta_even_where_gamma_r_overflows(dtype, x_value, M,
+                                                                           gamma, eps):
+    """Contract §10: var = 0 (every element the mean) gives dst = beta exactly; gamma * r
+    rounding to inf in float32 made it inf * 0 = NaN."""
+    x = np.full((M, 3), x_value, np.float32).astype(dtype)
+    stats = (np.zeros(3, np.float32), np.ones(3, np.float32),
+             np.array([gamma, 1.0, gamma], np.float32), np.array([0.5, -1.5, 0.0], np.float32))
+    got = bn.batchnorm_training_forward(x, *stats, epsilon=eps)
+    assert (got.batch_variance == 0).all()
+    want = np.broadcast_to(stats[3].astype(dtype), x.shape)
+    np.testing.assert_array_equal(got.dst.view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
+
+
+def test_gamma_r_past_float32_with_spread_is_not_finite_and_an_inf_gamma_is_ieee():
+    """Contract §10: where gamma * r exceeds float32 and the channel's elements differ, dst is
+    not finite there (its k cannot be represented); an infinite gamma follows IEEE: inf * 0 is
+    NaN even at the mean."""
+    x = np.array([[1.0, 3.0], [1.0, 3.0], [2.0, 3.0], [2.0, 3.0]], np.float32)
+    gamma = np.array([3e38, np.inf], np.float32)      # r = 2: gamma * r = 6e38
+    got = bn.batchnorm_training_forward(x, np.zeros(2, np.float32), np.ones(2, np.float32),
+                                        gamma, None, epsilon=1e-45)
+    assert not np.isfinite(got.dst[:, 0]).any()
+    assert np.isnan(got.dst[:, 1]).all()
+
+
+def test_momentum_one_keeps_old_statistics_only_for_finite_batches(rng):
+    """Contract §10: momentum 1 gives the old running statistics bit for bit when the batch
+    statistics are finite; a channel whose batch holds NaN or inf follows IEEE arithmetic
+    (1 * old + 0 * NaN is NaN), as PyTorch's momentum 0 does."""
+    x, stats = problem(rng, (6, 4, 5), "NCX", np.float32)
+    x[2, 1, 3] = np.nan
+    x[4, 2, 0] = np.inf
+    got = bn.batchnorm_training_forward(x, *stats, epsilon=EPS, momentum=1.0,
+                                        data_format="NCX")
+    for running, old in ((got.running_mean, stats[0]), (got.running_variance, stats[1])):
+        assert np.isnan(running[1]) and np.isnan(running[2])
+        assert np.array_equal(running[[0, 3]].view(np.uint32), old[[0, 3]].view(np.uint32))
+
+
 def test_an_empty_batch_leaves_the_running_statistics(rng):
     x = np.empty((0, 5, 3), np.float32)
     stats = [s.astype(np.float32) for s in (rng.standard_normal(5), rng.random(5),
