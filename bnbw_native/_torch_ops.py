@@ -37,8 +37,12 @@ STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 
 def np_view(t):
     """A NumPy view of a CPU tensor's memory, no copy (bfloat16 through an int16 view).
-    tensor.numpy() shares the memory as DLPack does, at a third of the cost per call."""
+    tensor.numpy() shares the memory as DLPack does, at a third of the cost per call.  A
+    tensor with the negative or conjugate bit is read as its values (a copy), as the array
+    front-ends read it; the tensors the operators write are their own, never such views."""
     t = t.detach()
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_conj().resolve_neg()
     if t.dtype == torch.bfloat16:
         try:
             import ml_dtypes
@@ -234,6 +238,26 @@ def _(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_gra
     return dx, dgamma, torch.empty_like(dgamma)
 
 
+# ---- vmap ----------------------------------------------------------------------------------
+
+def _vmap_by_loop(op):
+    """A vmap rule for `op`: one call per batch entry, outputs stacked on dim 0.  Each entry is
+    a batch norm of its own (what torch's BatchNorm2d computes under vmap); the batched dims
+    of the inputs go to the front first."""
+    def rule(info, in_dims, *args):
+        batched = [a.movedim(d, 0) if d is not None else a for a, d in zip(args, in_dims)]
+        results = [op(*(a[b] if d is not None else a for a, d in zip(batched, in_dims)))
+                   for b in range(info.batch_size)]
+        outputs = tuple(torch.stack(parts) for parts in zip(*results))
+        return outputs, (0,) * len(outputs)
+    return rule
+
+
+batch_norm_train.register_vmap(_vmap_by_loop(torch.ops.bnbw_native.batch_norm_train))
+batch_norm_train_backward.register_vmap(
+    _vmap_by_loop(torch.ops.bnbw_native.batch_norm_train_backward))
+
+
 # ---- autograd ----------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output):
@@ -269,7 +293,10 @@ batch_norm_train.register_autograd(_backward, setup_context=_setup_context)
 
 class BatchNormTrain(torch.autograd.Function):
     """batch_norm_train with the same formula, for torch.func transforms: register_autograd's
-    wrapper has no setup_context in this PyTorch, which they require."""
+    wrapper has no setup_context in this PyTorch, which they require.  vmap runs the
+    operators' own rule (one batch norm per entry)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x, weight, bias, eps, relu, group, num_threads):

@@ -69,6 +69,19 @@ def _check_float64(x, tensors):
                             f"be float64 too, got {t.dtype} (call .double() on the layer)")
 
 
+def _batched(t):
+    """Whether `t` is a tensor batched by torch.func.vmap (functorch's own test)."""
+    test = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
+    return test is not None and test(t)
+
+
+def _check_more_than_one(x):
+    """Training statistics need two values per channel, as in torch (M = 1 has no variance)."""
+    if x.numel() == x.shape[1]:
+        raise ValueError(f"expected more than 1 value per channel when training, got input "
+                         f"of shape {tuple(x.shape)}")
+
+
 def batch_norm(x, weight=None, bias=None, *, eps=1e-5, relu=False, num_threads=None):
     """Training-mode batch norm over (N, C, *) with the bnbw_native backward; returns y
     (max(y, 0) when relu).  float64 input runs torch's own batch norm."""
@@ -78,9 +91,10 @@ def batch_norm(x, weight=None, bias=None, *, eps=1e-5, relu=False, num_threads=N
         _check_float64(x, (("weight", weight), ("bias", bias)))
         y = torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
         return torch.relu(y) if relu else y
-    if x.numel() == 0:
-        raise ValueError("batch norm in training mode needs at least one value per channel; "
-                         f"got input of shape {tuple(x.shape)}")
+    if x.numel() == 0:        # an empty batch: torch's empty y and zero parameter gradients
+        y = torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+        return torch.relu(y) if relu else y
+    _check_more_than_one(x)
     return _torch_ops.train(x, weight, bias, float(eps), bool(relu), "",
                                            num_threads)[0]
 
@@ -137,17 +151,21 @@ class BatchNorm(torch.nn.Module):
 
     def forward(self, x):
         _check_input(x, self.num_features)
-        if x.dtype == torch.float64 or not self.training:
-            return self._torch_forward(x)
         group = self._group_key()
-        if not group and x.numel() <= x.shape[1]:
-            raise ValueError(f"expected more than 1 value per channel when training, got "
-                             f"input of shape {tuple(x.shape)}")
+        if x.dtype == torch.float64 or not self.training or (x.numel() == 0 and not group):
+            return self._torch_forward(x)     # (an empty batch: torch's empty y, as BatchNorm2d)
+        if not group:
+            _check_more_than_one(x)
         y, mean, var, count = _torch_ops.train(
             x, self.weight, self.bias, self.eps, self._relu, group, self.num_threads)
         if not group:       # else the operator's tensor: every rank's rows
             count = x.numel() // x.shape[1]
         if self.track_running_stats:
+            if _batched(mean):
+                raise RuntimeError(
+                    "vmap over a batch norm that updates its running statistics: they are not "
+                    "batched and cannot take one update per entry; make the layer with "
+                    "track_running_stats=False (as for torch.nn.BatchNorm2d under vmap)")
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 if self.momentum is None:

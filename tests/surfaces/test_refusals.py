@@ -1381,6 +1381,9 @@ def test_torch_layer_refusal(torch, layer, kind, error, match):
         module(_torch_input(torch, kind))
     assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items()), \
         "a refused call changed the layer's state"
+    if kind in ("one-value", "int", "ndarray"):          # the functional form refuses alike
+        with pytest.raises(error, match=match):
+            autograd.batch_norm(_torch_input(torch, kind), relu=layer == "BatchNormReLU")
 
 
 @pytest.mark.parametrize("layer", ["BatchNorm", "BatchNormReLU"])

@@ -354,3 +354,63 @@ def test_the_layer_forward_is_the_engines_forward(relu, channels_last):
     expect_var = 0.7 * 1.0 + 0.3 * want.batch_variance.astype(np.float64) * M / (M - 1)
     assert np.allclose(layer.running_var.numpy(), expect_var, rtol=1e-6)
     assert np.allclose(layer.running_mean.numpy(), 0.3 * want.batch_mean, rtol=1e-6)
+
+
+# ---- torch's own edges: empty batches, negative-bit inputs, vmap ----------------------------
+
+@pytest.mark.parametrize("cls", [bag.BatchNorm, bag.BatchNormReLU])
+@pytest.mark.parametrize("shape", [(0, 4, 3, 3), (2, 4, 0, 3)])
+def test_an_empty_batch_follows_batchnorm2d(cls, shape):
+    """torch.nn.BatchNorm2d returns an empty y for an empty batch, counts the batch and leaves
+    the running statistics; the parameter gradients are zero."""
+    ours, ref = cls(4), torch.nn.BatchNorm2d(4)
+    with torch.no_grad():
+        ours.running_mean.fill_(0.25)
+        ref.running_mean.fill_(0.25)
+    x = torch.empty(shape, requires_grad=True)
+    y = ours(x)
+    assert y.shape == x.shape
+    y.sum().backward()
+    ref(x.detach())
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert torch.equal(ours.weight.grad, torch.zeros(4))
+    assert bag.batch_norm(x.detach(), relu=cls is bag.BatchNormReLU).shape == x.shape
+
+
+def test_negative_bit_inputs_are_read_as_their_values():
+    """x and the incoming gradient held negated (torch._neg_view) give the bits of the plain
+    tensors: the layers read them as their values, as the array front-ends do."""
+    x, dy = data((3, 4, 5, 5))
+    ours, _ = pair(4)
+    results = []
+    for held in (False, True):
+        layer, leaf = copy.deepcopy(ours), (-x if held else x).clone().requires_grad_()
+        y = layer(torch._neg_view(leaf) if held else leaf)
+        y.backward(torch._neg_view(-dy) if held else dy)
+        results.append((y.detach(), -leaf.grad if held else leaf.grad, layer.weight.grad))
+    for u, v in zip(*results):
+        assert torch.equal(u, v)
+
+
+def test_vmap_runs_one_batch_norm_per_entry_and_its_gradients():
+    """torch.func.vmap (and per-sample gradients, vmap of grad) over a layer without running
+    statistics gives what it gives over torch's BatchNorm2d; a layer with running statistics
+    is refused with a message, as torch's is."""
+    from torch.func import functional_call, grad, vmap
+    ours, ref = pair(4, track_running_stats=False)
+    x = torch.randn(3, 5, 4, 6, 6) + 2
+    assert rel_err(vmap(ours)(x), vmap(ref)(x)) < 1e-6
+
+    def loss(params, xi, module):
+        return functional_call(module, params, (xi,)).square().mean()     # y's weights: 1/N
+
+    for name in ("weight", "bias"):
+        got = vmap(grad(loss), in_dims=(None, 0, None))(dict(ours.named_parameters()), x, ours)
+        want = vmap(grad(loss), in_dims=(None, 0, None))(dict(ref.named_parameters()), x, ref)
+        assert got[name].shape == (3, 4) and rel_err(got[name], want[name]) < 1e-5
+    g = torch.randn(5, 4, 6, 6)
+    dx = vmap(grad(lambda xi: (ours(xi) * g).sum()))(x)
+    assert rel_err(dx, vmap(grad(lambda xi: (ref(xi) * g).sum()))(x)) < 1e-5
+    with pytest.raises(RuntimeError, match="track_running_stats=False"):
+        vmap(bag.BatchNorm(4))(x)
