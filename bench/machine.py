@@ -61,10 +61,21 @@ def perf_counters_available():
         and "<not counted>" not in done.stderr
 
 
-def source_version():
-    """`git describe --always --dirty` of the checkout bnbw_native was imported from, if any."""
-    where = os.path.dirname(os.path.dirname(os.path.abspath(bnbw_native.__file__)))
+def source_version(package_file=None):
+    """`git describe --always --dirty` of the checkout bnbw_native was imported from, or None
+    when it was not imported from one: the folder above the package must be the top of a git
+    work tree whose pyproject.toml names bnbw_native (an installed package inside some other
+    project's checkout, e.g. a virtual environment there, has no version of ours to name)."""
+    package = os.path.dirname(os.path.abspath(package_file or bnbw_native.__file__))
+    where = os.path.dirname(package)
     try:
+        with open(os.path.join(where, "pyproject.toml"), encoding="utf-8") as f:
+            if 'name = "bnbw_native"' not in f.read():
+                return None
+        top = subprocess.run(["git", "-C", where, "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=20)
+        if top.returncode != 0 or not os.path.samefile(top.stdout.strip(), where):
+            return None
         done = subprocess.run(["git", "-C", where, "describe", "--always", "--dirty"],
                               capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):

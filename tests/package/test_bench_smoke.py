@@ -638,3 +638,28 @@ def test_command_line_layers_only(tmp_path, capsys, monkeypatch):
     results = json.loads(path.read_text())
     assert "rows" not in results and len(results["layers"]) == 2 * len(torch_layers.PAIRS)
     assert all(r["vs_torch"] > 0 for r in results["layers"])
+
+
+def test_source_version_names_only_a_checkout_of_this_project(bench, tmp_path):
+    """The benchmark's header names a git version only when bnbw_native was imported from a
+    checkout of its own: a package installed into a virtual environment that lives inside
+    another project's repository reported that project's version."""
+    import subprocess
+
+    def tree(top, package_dir, pyproject):
+        (package_dir / "bnbw_native").mkdir(parents=True)
+        (package_dir / "bnbw_native" / "__init__.py").write_text("")
+        if pyproject:
+            (package_dir / "pyproject.toml").write_text('[project]\nname = "bnbw_native"\n')
+        for cmd in (["init", "-q"], ["add", "-A"],
+                    ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+            subprocess.run(["git", "-C", str(top), *cmd], check=True, capture_output=True)
+        return str(package_dir / "bnbw_native" / "__init__.py")
+
+    version = bench.machine.source_version
+    checkout = tmp_path / "checkout"
+    assert version(tree(checkout, checkout, True))                  # our checkout: named
+    other = tmp_path / "other"                # our files one level down in another repository
+    assert version(tree(other, other / "env", True)) is None
+    plain = tmp_path / "plain"                # a repository without our pyproject.toml
+    assert version(tree(plain, plain, False)) is None
