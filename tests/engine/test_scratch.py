@@ -76,7 +76,7 @@ def _make(case, rng, where):
         values = x[..., c] if data_format == "NXC" else x[:, c]      # a view
         pos = {"first": 0, "later-block": min(block, values.size - 1),
                "last": values.size - 1}[where]
-        values[np.unravel_index(pos, values.shape)] = BASE + OUTLIER * (1 + c)
+        values[np.unravel_index(pos, values.shape)] = BASE + OUTLIER * (1 + c % 8)
     return x
 
 
@@ -203,3 +203,34 @@ def test_backward_passes_never_read_unwritten_scratch(rng, case):
         _schedules.set_cache_model(*model)
         for threads in (1, 2, 3):
             assert calls(threads) == want, (name, model, threads)
+
+
+def _last_block_rows(C):
+    """The plan's channel-last rows per block (bnbw_native/_plan.pyx): about 131072 elements,
+    whole multiples of 16 rows, within 128..1024 rows."""
+    return min(1024, max(128, -(-131072 // C + 15) // 16 * 16))
+
+
+SWEEP = [(C, rows) for C in (1, 3, 17, 130, 1030, 2050)
+         for rows in {4097, *(k * _last_block_rows(C) + d
+                              for k in (5, 9) for d in (-1, 0, 1)
+                              if k * _last_block_rows(C) + d > 4096)}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("where", ["first", "later-block", "last"])
+@pytest.mark.parametrize("C, rows", SWEEP, ids=[f"C{c}-rows{r}" for c, r in SWEEP])
+def test_forward_sweep_over_channel_counts(rng, C, rows, where, dtype):
+    """The property test over more channel counts (row blocks of 128..1024 rows, slices that
+    split a row, rows wider than a tile) and float16 storage."""
+    case = (f"C{C}", (rows, C), "NXC", _last_block_rows(C))
+    x = _make(case, rng, where).astype(dtype)
+    gamma, beta, runs = _runs(x, "NXC")
+    want = _bits(runs[0][1])
+    assert all(_bits(result) == want for _, result in runs)
+    mean, var, _, _ = _reference(x, "NXC", gamma, beta)
+    ulp = np.spacing(np.abs(mean).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(runs[0][1].batch_mean - mean) <= ulp)
+    ulp = np.spacing(np.abs(var).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(runs[0][1].batch_variance - var) <= ulp)
