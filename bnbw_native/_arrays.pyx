@@ -24,6 +24,7 @@ Objects whose memory is not their value, and bfloat16 over DLPack:
   ml_dtypes such a tensor is refused with a TypeError that says to install it.
 """
 import numbers
+import warnings
 
 import numpy as np
 
@@ -305,6 +306,42 @@ def check_choice(value, name, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+class DataFormatWarning(UserWarning):
+    """A torch tensor of rank 3 or more reached an array front-end under the default
+    data_format "NXC" (channels last): torch tensors carry (N, C, *) sizes whatever their
+    memory format, so such a call most likely wants data_format="NCX"."""
+
+
+# The default data_format: "NXC" as the conventions define it, a plain str, but an object of
+# its own (made at run time, so never the interned "NXC" of a caller's code): identity tells
+# the default from a caller's explicit "NXC".
+NXC_DEFAULT = str(bytearray(b"NXC"), "ascii")
+
+# what each data_format is called elsewhere: named when a caller passes one of those
+_FORMAT_NAMES = {"NXC": "channels last: NWC, NHWC, NDHWC", "NCX": "channel axis 1: NCW, NCHW, "
+                                                                  "NCDHW"}
+
+
+def check_data_format(value, src, int stacklevel=2):
+    """`value` as a plain "NXC" or "NCX".  The default with a torch tensor of rank 3 or more
+    as `src` warns (DataFormatWarning): its sizes are (N, C, *) in any memory format.
+    `stacklevel`: the caller's Python frame to name (2: the front-end's caller)."""
+    if isinstance(value, str) and value not in _FORMAT_NAMES:
+        raise ValueError(f"data_format must be one of NXC, NCX (NXC: "
+                         f"{_FORMAT_NAMES['NXC']}; NCX: {_FORMAT_NAMES['NCX']}), got {value!r}")
+    check_choice(value, "data_format", tuple(_FORMAT_NAMES))
+    if (value is NXC_DEFAULT and type(src).__module__.split(".")[0] == "torch"
+            and getattr(src, "ndim", 0) >= 3):
+        sizes = tuple(src.shape)
+        warnings.warn(
+            f"data_format defaults to 'NXC' (channels on the last axis), so this torch tensor "
+            f"of sizes {sizes} is normalised over {sizes[len(sizes) - 1]} channels; "
+            f"torch tensors have (N, C, *) sizes in any memory format: pass data_format='NCX' "
+            f"for them (or data_format='NXC' for a tensor that really is channels-last)",
+            DataFormatWarning, stacklevel=stacklevel)
+    return str(value)
 
 
 def check_int_choice(value, name, choices):

@@ -3,7 +3,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._arrays import FROZEN_DX, TRAINING, backward, check_choice, check_int_choice, forward
+from ._arrays import (FROZEN_DX, NXC_DEFAULT, TRAINING, backward, check_data_format,
+                      check_int_choice, forward)
 from ._rules import Convention
 
 GRAPH = Convention(dict(x="src", dy="diff_dst", mean="mean", var="variance", scale="gamma",
@@ -26,7 +27,7 @@ class ForwardResult(NamedTuple):
 
 
 def batchnorm_training_forward(src, mean, variance, gamma=None, beta=None, *, epsilon,
-                               momentum=0.5, data_format="NXC", fuse_relu=False, out=None,
+                               momentum=0.5, data_format=NXC_DEFAULT, fuse_relu=False, out=None,
                                num_threads=None):
     """A training-mode batch normalization, as oneDNN Graph's BatchNormForwardTraining.
 
@@ -44,7 +45,7 @@ def batchnorm_training_forward(src, mean, variance, gamma=None, beta=None, *, ep
     and running_variance variance (in place).
     Returns a ForwardResult(dst, running_mean, running_variance, batch_mean, batch_variance).
     """
-    check_choice(data_format, "data_format", ("NXC", "NCX"))
+    data_format = check_data_format(data_format, src)
     if not isinstance(fuse_relu, (bool, np.bool_)):
         raise TypeError(f"fuse_relu must be True or False, got {type(fuse_relu).__name__}")
     return ForwardResult(*forward(FORWARD, src, mean, variance, gamma, beta, epsilon, momentum,
@@ -59,7 +60,7 @@ class BackwardResult(NamedTuple):
 
 
 def batchnorm_training_backward(src, diff_dst, mean, variance, gamma=None, *, epsilon,
-                                data_format="NXC", num_outputs=3, out=None, num_threads=None,
+                                data_format=NXC_DEFAULT, num_outputs=3, out=None, num_threads=None,
                                 relu_dst=None, diff_residual=None):
     """Gradients of a training-mode batch normalization, as oneDNN Graph computes them.
 
@@ -80,7 +81,7 @@ def batchnorm_training_backward(src, diff_dst, mean, variance, gamma=None, *, ep
     itself) that receives that gradient, the residual's.
     Returns a BackwardResult(diff_src, diff_gamma, diff_beta).
     """
-    check_choice(data_format, "data_format", ("NXC", "NCX"))
+    data_format = check_data_format(data_format, src)
     num_outputs = check_int_choice(num_outputs, "num_outputs", (1, 3))
     formula = TRAINING if num_outputs == 3 else FROZEN_DX
     return BackwardResult(*backward(GRAPH, formula, src, diff_dst, mean, variance, gamma,

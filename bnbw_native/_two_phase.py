@@ -7,8 +7,8 @@ Format of `partial`: a C-contiguous float64 array of shape (2, C), row 0 = Sum d
 Sum (x - mean) * dy.  Single-process training equals reduce -> apply bit for bit, because both
 run the same block partition and the same coefficient code.
 """
-from ._arrays import (APPLY, FORWARD_APPLY, FORWARD_REDUCE, REDUCE, backward, check_choice,
-                      forward)
+from ._arrays import (APPLY, FORWARD_APPLY, FORWARD_REDUCE, NXC_DEFAULT, REDUCE, backward,
+                      check_data_format, forward)
 from ._onednn_graph import BackwardResult
 from ._rules import Convention
 
@@ -18,7 +18,7 @@ TWO_PHASE = Convention(dict(x="x", dy="dy", mean="mean", var="variance", scale="
                             partial="partial"))
 
 
-def backward_reduce(x, dy, mean, *, data_format="NXC", num_threads=None, exact_sums=False,
+def backward_reduce(x, dy, mean, *, data_format=NXC_DEFAULT, num_threads=None, exact_sums=False,
                     relu_dst=None):
     """Local per-channel sums: returns (partial, count), partial float64 (2, C), count int.
 
@@ -27,21 +27,22 @@ def backward_reduce(x, dy, mean, *, data_format="NXC", num_threads=None, exact_s
     in float64 instead (slower; what a caller that derives statistics by cancelling algebra
     needs, e.g. Sum x*x - n*mean^2).  relu_dst: the forward's ReLU output (or bool mask), as in
     batchnorm_training_backward; the sums are then those of the masked gradient."""
-    check_choice(data_format, "data_format", ("NXC", "NCX"))
+    data_format = check_data_format(data_format, x)
     if not isinstance(exact_sums, bool):
         raise TypeError(f"exact_sums must be True or False, got {exact_sums!r}")
     return backward(TWO_PHASE, REDUCE, x, dy, mean, None, None, None, data_format, None,
                     num_threads, relu_dst=relu_dst, exact_sums=exact_sums)
 
 
-def backward_apply(x, dy, mean, variance, gamma, partial, count, *, epsilon, data_format="NXC",
+def backward_apply(x, dy, mean, variance, gamma, partial, count, *, epsilon,
+                   data_format=NXC_DEFAULT,
                    out=None, num_threads=None, relu_dst=None, diff_residual=None):
     """diff_src for the local rows and diff_gamma, diff_beta from the global sums.
 
     partial: the (2, C) float64 sums over all ranks; count: the global element count per
     channel (>= the local one).  gamma None means 1.  relu_dst, diff_residual: as in
     batchnorm_training_backward (pass the same relu_dst to backward_reduce)."""
-    check_choice(data_format, "data_format", ("NXC", "NCX"))
+    data_format = check_data_format(data_format, x)
     return BackwardResult(*backward(TWO_PHASE, APPLY, x, dy, mean, variance, gamma, epsilon,
                                     data_format, out, num_threads, relu_dst=relu_dst,
                                     diff_residual=diff_residual, partial=partial,

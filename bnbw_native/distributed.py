@@ -27,7 +27,7 @@ the others in the collective until the group's timeout, as with any collective.
 
 torch and mpi4py are optional: they are imported on the first call, never with the package.
 """
-from ._arrays import check_choice, check_epsilon
+from ._arrays import NXC_DEFAULT, check_data_format, check_epsilon
 from ._onednn_graph import BackwardResult
 from ._two_phase import backward_apply, backward_reduce
 
@@ -57,13 +57,16 @@ def _mpi():
     return MPI
 
 
-def _local_checks(data_format, epsilon):
-    # What the apply phase would refuse after the collective, checked before it.
-    check_choice(data_format, "data_format", ("NXC", "NCX"))
+def _local_checks(data_format, epsilon, x, stacklevel):
+    """What the apply phase would refuse after the collective, checked before it; returns the
+    data_format (a DataFormatWarning names the frame `stacklevel` levels up from here)."""
+    data_format = check_data_format(data_format, x, stacklevel + 1)
     check_epsilon(epsilon)
+    return data_format
 
 
-def sync_batchnorm_backward(x, dy, mean, variance, gamma=None, *, epsilon, data_format="NXC",
+def sync_batchnorm_backward(x, dy, mean, variance, gamma=None, *, epsilon,
+                            data_format=NXC_DEFAULT,
                             group=None, out=None, num_threads=None, relu_dst=None,
                             diff_residual=None):
     """Training backward of a batch norm whose batch is split over a torch.distributed group.
@@ -100,7 +103,7 @@ def _torch_sync(x, dy, mean, variance, gamma, *, epsilon, data_format, group, ou
     """The torch.distributed path; also returns a copy of the local sums when keep_local
     (the autograd layer derives DDP-style local parameter gradients from them)."""
     torch, dist = _check_group(group)
-    _local_checks(data_format, epsilon)
+    data_format = _local_checks(data_format, epsilon, x, 3)
     partial, count = backward_reduce(x, dy, mean, data_format=data_format,
                                      num_threads=num_threads, relu_dst=relu_dst)
     local = partial.copy() if keep_local else None
@@ -119,7 +122,7 @@ def _torch_sync(x, dy, mean, variance, gamma, *, epsilon, data_format, group, ou
 
 
 def sync_batchnorm_backward_mpi(x, dy, mean, variance, gamma=None, *, epsilon,
-                                data_format="NXC", comm=None, out=None, num_threads=None,
+                                data_format=NXC_DEFAULT, comm=None, out=None, num_threads=None,
                                 relu_dst=None, diff_residual=None):
     """sync_batchnorm_backward over an mpi4py communicator (None: MPI.COMM_WORLD).
 
@@ -130,7 +133,7 @@ def sync_batchnorm_backward_mpi(x, dy, mean, variance, gamma=None, *, epsilon,
 
     MPI = _mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
-    _local_checks(data_format, epsilon)
+    data_format = _local_checks(data_format, epsilon, x, 2)
     partial, count = backward_reduce(x, dy, mean, data_format=data_format,
                                      num_threads=num_threads, relu_dst=relu_dst)
     counts = np.array([count], dtype=np.int64)

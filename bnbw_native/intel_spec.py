@@ -1,5 +1,5 @@
 """Intel spec ``BatchNormTrainingBackprop-1``: the training gradient."""
-from ._arrays import TRAINING, backward, check_choice
+from ._arrays import NXC_DEFAULT, TRAINING, backward, check_data_format
 from ._rules import Convention
 
 INTEL = Convention(dict(x="input_forward", dy="output_delta", mean="mean", var="variance",
@@ -8,7 +8,7 @@ INTEL = Convention(dict(x="input_forward", dy="output_delta", mean="mean", var="
 
 
 def batch_norm_training_backprop(input_forward, output_delta, mean, variance, gamma=None, *,
-                                 epsilon, data_format="NXC", out=None, num_threads=None):
+                                 epsilon, data_format=NXC_DEFAULT, out=None, num_threads=None):
     """Gradient of batch normalization with respect to its input, gamma and beta.
 
     input_forward, output_delta: T1 (float32, float16, bfloat16), rank 2 to 8;
@@ -16,6 +16,6 @@ def batch_norm_training_backprop(input_forward, output_delta, mean, variance, ga
     gamma None means 1.  data_format "NXC" (default) or "NCX".
     Returns (input_delta, gamma_delta, beta_delta).
     """
-    check_choice(data_format, "data_format", ("NXC", "NCX"))
+    data_format = check_data_format(data_format, input_forward)
     return backward(INTEL, TRAINING, input_forward, output_delta, mean, variance, gamma,
                     epsilon, data_format, out, num_threads)

@@ -104,10 +104,11 @@ def test_expanded_gradient_is_read_in_place():
 
 def test_two_phases_take_tensors():
     x, dy, mean, var, gamma = batch(channels_last=True)
-    partial, count = bn.backward_reduce(nxc(x), nxc(dy), mean)
+    partial, count = bn.backward_reduce(nxc(x), nxc(dy), mean, data_format="NXC")
     res = bn.backward_apply(nxc(x), nxc(dy), mean, var, gamma, torch.from_numpy(partial),
-                            count, epsilon=EPS)
-    want = bn.batchnorm_training_backward(nxc(x), nxc(dy), mean, var, gamma, epsilon=EPS)
+                            count, epsilon=EPS, data_format="NXC")
+    want = bn.batchnorm_training_backward(nxc(x), nxc(dy), mean, var, gamma, epsilon=EPS,
+                                          data_format="NXC")
     assert same_bits(res, want)
 
 
@@ -160,3 +161,51 @@ def test_writable_producer_is_accepted_as_out():
                                          out=(torch.empty_like(x), Producer(buf),
                                               torch.empty(5)))
     assert address(got.diff_gamma) == address(buf) and np.all(np.isfinite(buf))
+
+
+# ---- data_format and torch's (N, C, *) sizes ------------------------------------------------
+
+def _front_end_calls(x, s, v, **kw):
+    """Every array front-end once, on a 4-D tensor x with statistics s, v."""
+    from bnbw_native import distributed, intel_spec  # noqa: F401  (imported, not all called)
+    yield lambda: bn.batchnorm_training_backward(x, x, s, v, epsilon=EPS, **kw)
+    yield lambda: bn.batchnorm_training_forward(x, s, v, epsilon=EPS, **kw)
+    yield lambda: intel_spec.batch_norm_training_backprop(x, x, s, v, epsilon=EPS, **kw)
+    yield lambda: bn.backward_reduce(x, x, s, **kw)
+    partial = np.zeros((2, s.shape[0]))
+    yield lambda: bn.backward_apply(x, x, s, v, None, partial, 1000, epsilon=EPS, **kw)
+
+
+def test_a_torch_tensor_under_the_default_data_format_warns(recwarn):
+    """Torch tensors carry (N, C, *) sizes in any memory format: the default "NXC" would
+    normalise an NCHW tensor over its last axis, silently when C equals that axis' size.
+    Every front-end warns then, naming the caller's line; an explicit data_format, a NumPy
+    array or a 2-D tensor (both formats alike) does not."""
+    x = torch.randn(4, 5, 6, 5)                       # C = 5 = W: no shape error to catch it
+    s, v = torch.zeros(5), torch.ones(5)
+    for call in _front_end_calls(x, s, v):
+        with pytest.warns(bn.DataFormatWarning, match="data_format='NCX'") as caught:
+            call()
+        assert caught[0].filename == __file__
+    for kw in (dict(data_format="NXC"), dict(data_format="NCX")):
+        for call in _front_end_calls(x, s, v, **kw):
+            call()
+    for call in _front_end_calls(x.numpy(), s.numpy(), v.numpy()):
+        call()
+    flat = torch.randn(12, 5)
+    for call in _front_end_calls(flat, s, v):
+        call()
+    assert not [w for w in recwarn if issubclass(w.category, bn.DataFormatWarning)]
+    # the default is still "NXC" for tensors: the warning changes nothing computed
+    want = bn.batchnorm_training_backward(x, x, s, v, epsilon=EPS, data_format="NXC")
+    with pytest.warns(bn.DataFormatWarning):
+        got = bn.batchnorm_training_backward(x, x, s, v, epsilon=EPS)
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+def test_layout_names_of_other_libraries_are_refused_with_their_mapping():
+    x = np.zeros((4, 5, 6, 5), np.float32)
+    s = np.zeros(5, np.float32)
+    for name, ours in (("NHWC", "NXC"), ("NCHW", "NCX"), ("NDHWC", "NXC"), ("NCW", "NCX")):
+        with pytest.raises(ValueError, match=f"one of NXC, NCX .*{ours}: [^;)]*{name}"):
+            bn.batchnorm_training_backward(x, x, s, s + 1, epsilon=EPS, data_format=name)

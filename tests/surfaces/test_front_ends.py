@@ -274,10 +274,10 @@ ROLES = ["src", "diff_dst", "mean", "variance", "gamma"]
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
 def test_every_kind_of_array_gives_the_bits_of_plain_numpy(rng, kind, dtype, role):
     args = list(random_arrays(rng, (6, 5, 16), dtype))
-    want = bnbw_native.batchnorm_training_backward(*args, epsilon=1e-3)
+    want = bnbw_native.batchnorm_training_backward(*args, epsilon=1e-3, data_format="NXC")
     i = ROLES.index(role)
     args[i] = KINDS[kind](args[i].copy())
-    got = bnbw_native.batchnorm_training_backward(*args, epsilon=1e-3)
+    got = bnbw_native.batchnorm_training_backward(*args, epsilon=1e-3, data_format="NXC")
     assert _bits(got) == _bits(want)
 
 
