@@ -28,6 +28,8 @@ Design:
 Storage types: x float32, float16 or bfloat16 (bfloat16 needs ml_dtypes); parameters and
 statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not supported.
 """
+from typing import Any, Dict, Optional, Type
+
 try:
     import torch
 except ImportError as exc:  # an optional extra
@@ -39,14 +41,14 @@ from ._arrays import check_epsilon
 from ._torch_ops import STORAGE
 
 
-def _check_options(eps, num_threads):
+def _check_options(eps: float, num_threads: Optional[int]) -> None:
     """eps: finite and > 0 as a float32 (torch would accept a NaN and give NaN outputs);
     num_threads: None (torch's own count, torch.get_num_threads()) or a positive int."""
     check_epsilon(eps, "eps")
     _engine.requested_threads(num_threads)
 
 
-def _check_input(x, num_features):
+def _check_input(x: Any, num_features: Optional[int]) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
     if x.device.type != "cpu":
@@ -61,7 +63,7 @@ def _check_input(x, num_features):
                          f"{num_features}")
 
 
-def _check_float64(x, tensors):
+def _check_float64(x: torch.Tensor, tensors: Any) -> None:
     """torch's batch norm takes float64 input only with float64 parameters and statistics."""
     for name, t in tensors:
         if t is not None and t.dtype != x.dtype:
@@ -69,20 +71,22 @@ def _check_float64(x, tensors):
                             f"be float64 too, got {t.dtype} (call .double() on the layer)")
 
 
-def _batched(t):
+def _batched(t: torch.Tensor) -> bool:
     """Whether `t` is a tensor batched by torch.func.vmap (functorch's own test)."""
     test = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
     return test is not None and test(t)
 
 
-def _check_more_than_one(x):
+def _check_more_than_one(x: torch.Tensor) -> None:
     """Training statistics need two values per channel, as in torch (M = 1 has no variance)."""
     if x.numel() == x.shape[1]:
         raise ValueError(f"expected more than 1 value per channel when training, got input "
                          f"of shape {tuple(x.shape)}")
 
 
-def batch_norm(x, weight=None, bias=None, *, eps=1e-5, relu=False, num_threads=None):
+def batch_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, *, eps: float = 1e-5, relu: bool = False,
+               num_threads: Optional[int] = None) -> torch.Tensor:
     """Training-mode batch norm over (N, C, *) with the bnbw_native backward; returns y
     (max(y, 0) when relu).  float64 input runs torch's own batch norm."""
     _check_input(x, None)
@@ -114,8 +118,10 @@ class BatchNorm(torch.nn.Module):
     _sync = False
     _relu = False
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, *, num_threads=None, device=None, dtype=None):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, *,
+                 num_threads: Optional[int] = None, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype or torch.float32}
         self.num_features = int(num_features)
@@ -141,15 +147,15 @@ class BatchNorm(torch.nn.Module):
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
                 f"affine={self.affine}, track_running_stats={self.track_running_stats}")
 
-    def _group_key(self):
+    def _group_key(self) -> str:
         """The operators' name for the group whose batch this layer normalises ("": none)."""
         return ""
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.num_features)
         group = self._group_key()
         if x.dtype == torch.float64 or not self.training or (x.numel() == 0 and not group):
@@ -177,7 +183,7 @@ class BatchNorm(torch.nn.Module):
                                                        alpha=factor)
         return y
 
-    def _torch_forward(self, x):
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """torch.nn.BatchNorm2d's forward (plus ReLU in the fused layers)."""
         if x.dtype == torch.float64:
             if self._group_key():
@@ -215,14 +221,15 @@ class SyncBatchNorm(BatchNorm):
 
     _sync = True
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, process_group=None, *, num_threads=None,
-                 device=None, dtype=None):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: Any = None, *, num_threads: Optional[int] = None,
+                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          num_threads=num_threads, device=device, dtype=dtype)
         self.process_group = process_group
 
-    def _group_key(self):
+    def _group_key(self) -> str:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             return ""
@@ -237,13 +244,16 @@ class SyncBatchNormReLU(SyncBatchNorm):
     _relu = True
 
 
-def _replacement(module, relu, sync, process_group, num_threads):
+def _replacement(module: Any, relu: bool, sync: bool, process_group: Any,
+                 num_threads: Optional[int]) -> "BatchNorm":
     """Our layer for a torch (or our) batch norm, sharing its parameters and buffers."""
+    cls: Type[BatchNorm]
+    kw: Dict[str, Any] = {}
     if sync:
         cls = SyncBatchNormReLU if relu else SyncBatchNorm
-        kw = {"process_group": process_group}
+        kw["process_group"] = process_group
     else:
-        cls, kw = (BatchNormReLU if relu else BatchNorm), {}
+        cls = BatchNormReLU if relu else BatchNorm
     if isinstance(module, BatchNorm) and num_threads is None:
         num_threads = module.num_threads
     new = cls(module.num_features, module.eps, module.momentum, module.affine,
@@ -259,14 +269,15 @@ def _replacement(module, relu, sync, process_group, num_threads):
     return new
 
 
-def _fusable_relu(module):
+def _fusable_relu(module: torch.nn.Module) -> bool:
     """A plain torch.nn.ReLU (inplace or not) that nothing else observes."""
     return (type(module) is torch.nn.ReLU and not module._forward_hooks
             and not module._forward_pre_hooks and not module._backward_hooks)
 
 
-def convert_batchnorm(module, *, sync=False, process_group=None, num_threads=None,
-                      fuse_relu=False):
+def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_group: Any = None,
+                      num_threads: Optional[int] = None,
+                      fuse_relu: bool = False) -> torch.nn.Module:
     """Replace every torch.nn BatchNorm1d/2d/3d/SyncBatchNorm inside `module` by BatchNorm
     (SyncBatchNorm when sync), keeping parameters, buffers and train/eval mode.
 
@@ -279,7 +290,7 @@ def convert_batchnorm(module, *, sync=False, process_group=None, num_threads=Non
     from torch.nn.modules.batchnorm import _BatchNorm
     batch_norms = (_BatchNorm, BatchNorm)
 
-    def convert(child, relu):
+    def convert(child: torch.nn.Module, relu: bool) -> torch.nn.Module:
         if isinstance(child, _BatchNorm) or (isinstance(child, BatchNorm) and relu):
             return _replacement(child, relu, sync, process_group, num_threads)
         return convert_batchnorm(child, sync=sync, process_group=process_group,

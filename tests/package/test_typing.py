@@ -129,3 +129,30 @@ def test_stubs_match_the_runtime(mypy_cache, tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 
+
+
+def test_mypy_strict_passes_on_a_script_using_the_torch_layers(user_python, mypy_cache,
+                                                               tmp_path):
+    """The layers are annotated: strict mypy on a user's script reported "Call to untyped
+    function" for BatchNorm and convert_batchnorm, and a wrong argument is caught."""
+    pytest.importorskip("torch")
+    script = tmp_path / "layers.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from bnbw_native.autograd import (BatchNorm, BatchNormReLU, SyncBatchNorm, batch_norm,
+                                          convert_batchnorm)
+
+        layer = BatchNorm(8, momentum=None, num_threads=1)
+        y: torch.Tensor = layer(torch.randn(4, 8, 3, 3))
+        net = convert_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(8), torch.nn.ReLU()),
+                                fuse_relu=True)
+        z: torch.Tensor = batch_norm(torch.randn(4, 8), relu=True)
+        fused = BatchNormReLU(8)
+        sync = SyncBatchNorm(8, process_group=None)
+    """))
+    done = mypy(user_python, [script], tmp_path, mypy_cache)
+    assert done.returncode == 0, done.stdout + done.stderr
+    wrong = tmp_path / "wrong_layers.py"
+    wrong.write_text("from bnbw_native.autograd import BatchNorm\nBatchNorm('8', eps='x')\n")
+    out = mypy(user_python, [wrong], tmp_path, mypy_cache).stdout
+    assert 'Argument 1 to "BatchNorm" has incompatible type "str"' in out, out
