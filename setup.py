@@ -279,6 +279,44 @@ def build_record(compile_command, extension_flags, openmp, openmp_note, dropped_
             "time.\nBUILD = {\n" + "\n".join(lines) + "\n}\n")
 
 
+def available_cpus():
+    """The CPUs this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def compile_sources_in_parallel(compiler, jobs):
+    """Make a Unix-style distutils `compiler` compile the sources of one call in `jobs`
+    threads, at most `jobs` compiler processes at once over every call (build_ext's -j runs
+    several calls, one per module, at the same time).  The steps are distutils' own:
+    _setup_compile, _get_cc_args, then _compile per object."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    slots = threading.BoundedSemaphore(max(1, jobs))
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=False,
+                extra_preargs=None, extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+        def one(obj):
+            if obj not in build:
+                return
+            src, ext = build[obj]
+            with slots:
+                compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        with ThreadPoolExecutor(max(1, min(jobs, len(objects)))) as pool:
+            list(pool.map(one, objects))
+        return objects
+
+    compiler.compile = compile
+
+
 def _mtime(path):
     return os.stat(path).st_mtime_ns if os.path.exists(path) else None
 
@@ -335,7 +373,15 @@ def main():
     class build_ext_with_record(build_ext):
         """Choose the flags for the compiler at hand, link without the interpreter's run paths,
         and write bnbw_native/_build_info.py beside the modules it compiled (in the build tree,
-        and in the source tree for --inplace)."""
+        and in the source tree for --inplace).  Builds on every CPU this process may use unless
+        told otherwise (-j / --parallel): the modules in parallel, and the sources of one
+        module (the kernel bodies of _engine) in parallel too, never more compilers at once
+        than CPUs."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            if self.parallel is None:
+                self.parallel = available_cpus()
 
         def build_extensions(self):
             kind = "msvc" if self.compiler.compiler_type == "msvc" else "unix"
@@ -351,6 +397,8 @@ def main():
             linker = getattr(self.compiler, "linker_so", None)
             if kind == "unix" and linker:
                 self.compiler.linker_so, self.dropped = without_interpreter_run_paths(linker)
+            if kind == "unix":
+                compile_sources_in_parallel(self.compiler, int(self.parallel or 1))
             super().build_extensions()
 
         def run(self):
@@ -358,7 +406,8 @@ def main():
             # the generated C stays out of the sdist.  All at once, before -j's worker threads.
             from Cython.Build import cythonize
             generated = {e.name: e.sources for e in cythonize(
-                self.extensions, language_level=3, compiler_directives=CYTHON_DIRECTIVES)}
+                self.extensions, language_level=3, compiler_directives=CYTHON_DIRECTIVES,
+                nthreads=int(self.parallel or 1) if self.parallel != 1 else 0)}
             for ext in self.extensions:
                 ext.sources = generated[ext.name]
             outputs = [os.path.join(self.build_lib, self.get_ext_filename(ext.name))
