@@ -28,7 +28,7 @@ fail() { echo "wheel: FAILED: $*" >&2; exit 1; }
 mkdir -p "$work/src"
 tar -C "$root" --exclude=./build --exclude=./dist --exclude='*.so' --exclude='./bnbw_native/_*.c' \
     --exclude=.git --exclude=.hypothesis --exclude=__pycache__ --exclude=.pytest_cache \
-    --exclude='*.egg-info' --exclude='./venv*' --exclude=./bench/results \
+    --exclude='*.egg-info' --exclude='./venv*' --exclude=./.venv --exclude=./bench/results \
     --exclude=./bench/.build -cf - . | tar -C "$work/src" -xf -
 
 # ---- build: pip's isolated PEP 517 build, as `pip install .` does it --------------------------
@@ -91,6 +91,21 @@ for lib in "$work"/unpacked/bnbw_native/*.so; do
         fail "$(basename "$lib") still needs the system's libgomp.so"
 done
 say "vendors $(basename "${vendored[0]}"); every run path is \$ORIGIN-relative"
+
+# ---- the tag's glibc is the wheel's real floor: the newest GLIBC_ symbol version it needs ------
+glibc_floor() {   # the newest GLIBC_x.y any of the given ELF files references
+    local f
+    for f in "$@"; do readelf -V "$f"; done | grep -o 'GLIBC_[0-9][0-9.]*' |
+        sed 's/GLIBC_//' | sort -V | tail -1
+}
+floor="$(glibc_floor "$work"/unpacked/bnbw_native/*.so "$work"/unpacked/bnbw_native.libs/*.so*)"
+modules_floor="$(glibc_floor "$work"/unpacked/bnbw_native/*.so)"
+tag_glibc="$(echo "$tag" | sed -n 's/^manylinux_\([0-9]*\)_\([0-9]*\)_.*/\1.\2/p')"
+# auditwheel's policies are steps (2.17, 2.28, 2.31, 2.34, ...): the tag is the first at or
+# above the floor, never below it (a wheel that installs where it cannot load)
+[ "$(printf '%s\n%s\n' "$floor" "$tag_glibc" | sort -V | tail -1)" = "$tag_glibc" ] ||
+    fail "the tag says glibc $tag_glibc but the wheel needs GLIBC_$floor"
+say "glibc: the tag's $tag_glibc covers the wheel's floor $floor (the modules alone need $modules_floor, the vendored OpenMP runtime the rest)"
 
 # ---- a fresh environment, used from a directory with no checkout -----------------------------
 "$python" -m venv "$work/user"

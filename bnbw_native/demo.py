@@ -2,6 +2,7 @@
 ResNet-50-sized batch norms (and next to PyTorch's own CPU backward when PyTorch is
 importable), check the results and print timings (``bnbw-demo``)."""
 import argparse
+import os
 import time
 
 import numpy as np
@@ -103,13 +104,38 @@ class TorchPeer:
         return dx.permute(*self.back).numpy(), dgamma.numpy(), dbeta.numpy()
 
 
+def available_cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def busy_note(load, cpus, threads):
+    """A warning when other work holds the CPUs the demo times on (the 1-minute load average
+    `load`, before the demo starts, against `cpus`), else None.  OpenMP threads that find
+    their core taken spin and wait at every pass's end: on a busy machine more threads can be
+    many times slower than one."""
+    idle = cpus - load
+    if threads <= 1 or load < 0.5:
+        return None
+    return (f"NOTE: this machine is busy (load average {load:.2f} over {cpus} CPUs before the "
+            f"demo started, about {max(idle, 0):.1f} idle): timings on {threads} threads can "
+            f"be far slower than on 1 while other work runs; time on an idle machine, or pass "
+            f"num_threads= no larger than the idle CPUs (README, \"Threads\").")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the PyTorch comparison even when torch is importable")
     args = parser.parse_args(argv)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     show_config()
+    note = busy_note(load, available_cpus(), get_num_threads())
+    if note:
+        print("\n" + note)
     torch = None if args.no_torch else import_torch()
     peer = TorchPeer(torch) if torch is not None else None
     rng = np.random.default_rng(2024)
@@ -121,6 +147,7 @@ def main(argv=None):
               f"{'max rel err':>11}" + (f" {'torch err':>9}" if peer else ""))
     print("\n" + header + "\n" + "-" * len(header))
     worst = worst_torch = 0.0
+    thread_times = []          # (case, 1-thread time, all-threads time)
     for name, shape in DEMO_SHAPES.items():
         for data_format in ("NCX", "NXC"):
             x, dy, mean, var, gamma = make_case(shape, data_format, rng)
@@ -130,16 +157,19 @@ def main(argv=None):
             out = tuple(np.empty_like(a) for a in (x, gamma, gamma))
             if peer:
                 peer.bind(x, dy, mean, var, gamma, data_format)
-            cells = []
+            cells, times = [], []
             for t in threads:
                 run = lambda: batchnorm_training_backward(  # noqa: E731
                     x, dy, mean, var, gamma, out=out, num_threads=t, **call)
                 run()
                 t_ours = best_time(run, args.repeat)
+                times.append(t_ours)
                 cell = f"{t_ours * 1e3:9.2f} {t_ref / t_ours:5.1f}x"
                 if peer:
                     cell += f" {peer.time(t, args.repeat) * 1e3:9.2f}"
                 cells.append(cell)
+            if len(times) > 1:
+                thread_times.append((f"{name} {data_format}", times[0], times[-1]))
             err = max(max_relative_error(o, r) for o, r in zip(out, ref))
             worst = max(worst, err)
             line = (f"{name:15} {data_format:6} {str(x.shape):18} {t_ref * 1e3:12.1f} "
@@ -149,6 +179,12 @@ def main(argv=None):
                 worst_torch = max(worst_torch, err_torch)
                 line += f" {err_torch:9.1e}"
             print(line)
+    slower = [name for name, one, many in thread_times if many > one]
+    if slower:
+        print(f"\nNOTE: {len(slower)} of {len(thread_times)} cases ran slower on "
+              f"{threads[-1]} threads than on 1 ({', '.join(slower)}): the machine may be busy "
+              f"(load average now {os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0:.2f})"
+              f", or these calls are too small to pay for a team of threads.")
     ok = worst < TOLERANCE
     print(f"\nresults {'agree' if ok else 'DISAGREE'} with the float64 reference "
           f"(worst max-relative error {worst:.1e})")

@@ -89,3 +89,25 @@ def test_torch_peer_sees_channels_last_as_the_same_memory():
     for got, ref in zip(peer.results(), want):
         assert got.shape == ref.shape
         assert demo.max_relative_error(got, ref) < 1e-5
+
+
+def test_the_demo_says_when_the_machine_is_busy(small, capsys, monkeypatch):
+    """A loaded machine made 2 threads 5-90x slower than 1 with no word: the demo reads the
+    load average before it starts and says so, and says which cases ran slower on more
+    threads."""
+    assert demo.busy_note(0.1, 2, 2) is None                 # idle
+    assert demo.busy_note(3.0, 4, 1) is None                 # one thread: nothing to fight for
+    note = demo.busy_note(1.6, 2, 2)
+    assert "busy" in note and "load average 1.60 over 2 CPUs" in note and "0.4 idle" in note
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.6, 1.0, 1.0))
+    monkeypatch.setattr(demo, "get_num_threads", lambda: 2)
+    calls = iter(range(10 ** 6))
+
+    def timed(fn, repeat):       # per case: the reference, 1 thread, 2 threads (twice as long)
+        fn()
+        return 2.0 if next(calls) % 3 == 2 else 1.0
+    monkeypatch.setattr(demo, "best_time", timed)
+    assert demo.main(["--repeat", "1", "--no-torch"]) == 0
+    out = capsys.readouterr().out
+    assert "NOTE: this machine is busy (load average 1.60" in out
+    assert "NOTE: 4 of 4 cases ran slower on 2 threads than on 1" in out, out
