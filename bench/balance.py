@@ -32,11 +32,14 @@ def describe(shape, data_format, threads):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", default="8,16,64")
-    parser.add_argument("--shapes", default="RESNET50_B50,MOBILENETV2_B50")
-    parser.add_argument("--l2", type=size)
-    parser.add_argument("--l3", type=size)
-    parser.add_argument("--sharers", type=int)
+    parser.add_argument("--threads", default="8,16,64",
+                        help="comma list of thread counts (default %(default)s)")
+    parser.add_argument("--shapes", default="RESNET50_B50,MOBILENETV2_B50",
+                        help="comma list of shape groups of bench/shapes.py (default %(default)s)")
+    parser.add_argument("--l2", type=size, help="L2 bytes per core to assume (default: this machine's)")
+    parser.add_argument("--l3", type=size, help="L3 bytes to assume (default: this machine's)")
+    parser.add_argument("--sharers", type=int,
+                        help="CPUs sharing the L3 to assume (default: this machine's)")
     args = parser.parse_args(argv)
     l2, l3, sharers = _schedules.cache_model()
     _schedules.set_cache_model(args.l2 or l2, args.l3 or l3, args.sharers or sharers)

@@ -114,10 +114,11 @@ def rank_main(rank, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--shape", type=int, nargs=4, default=[32, 64, 56, 56])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--shape", type=int, nargs=4, default=[32, 64, 56, 56],
+                        help="the whole batch's N C H W (default 32 64 56 56)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed calls (default 15)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per rank (default 1)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:

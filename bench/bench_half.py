@@ -11,7 +11,7 @@ shape in float32, float16 and bfloat16, interleaved round by round so that a sha
 machine slows all three alike; the figure is each median over the float32 median.  Storage in
 16 bits halves the bytes, so a memory-bound backward would take ~0.5 of the float32 time.
 
-    PYTHONPATH=. python bench/bench_half.py [--mib 64] [--repeat 7] [--shape 32,64,56,56]
+    python bench/bench_half.py [--mib 64] [--repeat 7] [--shape 32,64,56,56]
                                             [--rounds 15]      (or after pip install .)
 """
 import argparse

@@ -39,10 +39,12 @@ def inputs(shape, data_format, dtype):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bodies", default="portable,avx2")
-    ap.add_argument("--rounds", type=int, default=41)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--bodies", default="portable,avx2",
+                    help="comma list of kernel body caps to time (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=41, help="interleaved rounds (default 41)")
+    ap.add_argument("--threads", type=int, default=1, help="threads per call (default 1)")
+    ap.add_argument("--dtype", default="float32",
+                    help="storage type: float32, float16 or bfloat16 (default %(default)s)")
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
     args = ap.parse_args()
     bodies = args.bodies.split(",")

@@ -93,9 +93,10 @@ def race(name, threads, rounds, warmup=3):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts (default 1,2)")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="comma list of the models to race (default: all)")
+    ap.add_argument("--rounds", type=int, default=21, help="interleaved rounds (default 21)")
     args = ap.parse_args(argv)
     was = torch.get_num_threads()
     print(f"torch {torch.__version__}; batch {BATCH} x 3 x {SIZE} x {SIZE}, channels-last, "

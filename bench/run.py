@@ -104,7 +104,9 @@ def parser():
     p.add_argument("--shapes", default=None,
                    help="comma list of shape names or groups (RESNET50, RESNET50_B50, "
                         "MOBILENETV2_B50, QUICK, ...)")
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help=f"comma list of {','.join(LAYOUTS)} (NCX: channels first, NXC: "
+                        "channels last)")
     p.add_argument("--formulas", default=",".join(DEFAULT_FORMULAS),
                    help=f"comma list of {','.join(FORMULAS)}")
     p.add_argument("--peers", default=",".join(PEERS),
@@ -120,8 +122,12 @@ def parser():
                         "(bench/torch_layers.py), on --threads")
     p.add_argument("--layers-only", action="store_true",
                    help="time the layer rows alone (no probes, kernel rows, overhead, memory)")
-    p.add_argument("--json", default=os.path.join(BENCH_DIR, "results", "latest.json"))
-    p.add_argument("--plot", default=os.path.join(BENCH_DIR, "results", "latest.png"))
+    p.add_argument("--json", default=os.path.join(BENCH_DIR, "results", "latest.json"),
+                   help="where the rows and the machine's description are written "
+                        "(default: %(default)s)")
+    p.add_argument("--plot", default=os.path.join(BENCH_DIR, "results", "latest.png"),
+                   help="where the ratio plot is drawn, when matplotlib is importable "
+                        "(default: %(default)s)")
     return p
 
 

@@ -127,7 +127,8 @@ def busy_note(load, cpus, threads):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="timed calls per case and thread count, the best kept (default 5)")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the PyTorch comparison even when torch is importable")
     args = parser.parse_args(argv)

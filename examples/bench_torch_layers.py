@@ -27,7 +27,8 @@ import torch_layers  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="thread counts (default 1 2)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="exactly this many interleaved rounds per case")
     parser.add_argument("--quick", action="store_true", help="one tiny shape, 3 rounds")

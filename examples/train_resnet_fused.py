@@ -109,12 +109,13 @@ def float64_error(net, plain, images, labels):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
     parser.add_argument("--size", type=int, default=56, help="image height and width")
     parser.add_argument("--width", type=int, default=64, help="channels of the first stage")
     parser.add_argument("--steps", type=int, default=5, help="training steps per copy")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="channels-last memory for the model and its input")
     parser.add_argument("--short", action="store_true", help="a tiny run (seconds)")
     args = parser.parse_args()
     if args.short:

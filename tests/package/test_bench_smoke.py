@@ -663,3 +663,46 @@ def test_source_version_names_only_a_checkout_of_this_project(bench, tmp_path):
     assert version(tree(other, other / "env", True)) is None
     plain = tmp_path / "plain"                # a repository without our pyproject.toml
     assert version(tree(plain, plain, False)) is None
+
+
+def test_every_command_line_option_says_what_it_does():
+    """`--help` of every script (bench/, examples/, bnbw-demo) describes each option: every
+    add_argument call has a help text (bench/run.py's --layouts, --json and --plot had none)."""
+    import ast
+    root = BENCH.parent
+    scripts = [*BENCH.glob("*.py"), *(root / "examples").glob("*.py"),
+               root / "bnbw_native" / "demo.py"]
+    bare = []
+    for path in scripts:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument"
+                    and not any(k.arg == "help" for k in node.keywords)):
+                bare.append(f"{path.name}:{node.lineno}")
+    assert bare == []
+
+
+def test_bench_readme_commands_run_against_the_installed_package():
+    """bench/README's commands are those of an installed package (no PYTHONPATH=., which
+    imports the checkout's unbuilt bnbw_native after `pip install .`), name scripts that exist
+    and only options their parser knows."""
+    import re
+    import shlex
+    text = (BENCH / "README.md").read_text()
+    block = re.search(r"## Running.*?```bash\n(.*?)```", text, re.S).group(1)
+    lines = block.replace("\\\n", " ").splitlines()
+    options = {a for action in runner_parser()._actions for a in action.option_strings}
+    for line in lines:
+        words = shlex.split(line.split("#", 1)[0])
+        assert not any(w.startswith("PYTHONPATH") for w in words), line
+        if words[:1] == ["python"]:
+            assert (BENCH.parent / words[1]).is_file(), line
+            if words[1] == "bench/run.py":
+                assert {w for w in words[2:] if w.startswith("--")} <= options, line
+
+
+def runner_parser():
+    spec = importlib.util.spec_from_file_location("bench_run_cli", BENCH / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parser()

@@ -21,7 +21,7 @@ def test_every_example_is_run_here():
     assert found == {"numpy_arrays.py", "dml_raw_buffers.py", "distributed_gloo.py",
                      "train_resnet_fused.py", "bench_torch_layers.py",
                      "c_extension/bnbw_c_example.c", "c_extension/setup.py",
-                     "c_extension/run.py"}
+                     "c_extension/run.py", "c_program/bnbw_c_program.c", "c_program/run.py"}
 
 
 def test_numpy_arrays(tmp_path):
@@ -46,6 +46,23 @@ def test_c_extension(tmp_path):
         pytest.skip("no C compiler found (set CC, or install cc/gcc/clang)")
     out = run_example("c_extension/run.py", tmp_path, args=[str(tmp_path / "build")])
     assert "called from C" in out
+    assert "epsilon 0 refused: ERROR_EPSILON: epsilon" in out
+
+
+def test_c_program(tmp_path):
+    """examples/c_program/run.py compiles a plain C program that embeds this interpreter (the
+    way python3-config --embed links it), and the program reaches the C API of the
+    environment it is handed, whatever PATH holds: the embedded Python finds bnbw_native."""
+    if c_compiler() is None:
+        pytest.skip("no C compiler found (set CC, or install cc/gcc/clang)")
+    import os
+    # the program is handed this interpreter; PATH leads nowhere near its environment
+    env = dict(os.environ, PATH=os.pathsep.join(["/usr/bin", "/bin"]))
+    done = run_python([str(EXAMPLES / "c_program" / "run.py"), str(tmp_path / "build")],
+                      cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "called from a C program: dx max error" in out
     assert "epsilon 0 refused: ERROR_EPSILON: epsilon" in out
 
 
