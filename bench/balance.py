@@ -13,8 +13,7 @@ import argparse
 import numpy as np
 
 import shapes
-from bnbw_native import _arrays, _schedules
-from bnbw_native._onednn_graph import GRAPH
+from bnbw_native import tuning
 
 
 def size(text):
@@ -23,11 +22,7 @@ def size(text):
 
 
 def describe(shape, data_format, threads):
-    C = shape[-1] if data_format == "NXC" else shape[1]
-    x = np.empty(shape, np.float32)
-    stat = np.ones(C, np.float32)
-    return _arrays.describe(GRAPH, _arrays.TRAINING, x, x, stat, stat, stat, 1e-5, data_format,
-                          threads)
+    return tuning.describe(np.empty(shape, np.float32), data_format, num_threads=threads)
 
 
 def main(argv=None):
@@ -41,8 +36,8 @@ def main(argv=None):
     parser.add_argument("--sharers", type=int,
                         help="CPUs sharing the L3 to assume (default: this machine's)")
     args = parser.parse_args(argv)
-    l2, l3, sharers = _schedules.cache_model()
-    _schedules.set_cache_model(args.l2 or l2, args.l3 or l3, args.sharers or sharers)
+    l2, l3, sharers = tuning.cache_model()
+    tuning.set_cache_model(args.l2 or l2, args.l3 or l3, args.sharers or sharers)
     print("cache model: L2 %d KiB, L3 %d MiB shared by %d CPUs" % (
         (args.l2 or l2) >> 10, (args.l3 or l3) >> 20, args.sharers or sharers))
     threads = [int(t) for t in args.threads.split(",")]

@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from bnbw_native import _config, _half, batchnorm_training_backward, half
+from bnbw_native import (batchnorm_training_backward, get_num_threads, half, show_config,
+                         tuning)
 
 try:
     import ml_dtypes
@@ -99,7 +100,8 @@ def main():
     copy_s = best_seconds(lambda: np.copyto(copy_dst, f32), args.repeat)
     copy_gbs = 2 * nbytes / copy_s / 1e9
 
-    print(f"simd path: {_half.simd_path()}; threads: {_config.get_num_threads()}; "
+    simd = show_config(mode="dicts")["half_conversion"]
+    print(f"simd path: {simd}; threads: {get_num_threads()}; "
           f"source {args.mib} MiB; best of {args.repeat}")
     print(f"{'case':44s} {'ms':>8s} {'GB/s':>7s} {'% copy':>7s}")
     print(f"{'np.copyto (same source bytes)':44s} {copy_s * 1e3:8.2f} {copy_gbs:7.2f} {100:7.0f}")
@@ -126,11 +128,11 @@ def main():
                 s = best_seconds(call, args.repeat)
                 gbs = moved / s / 1e9
                 print(f"{label:44s} {s * 1e3:8.2f} {gbs:7.2f} {100 * gbs / copy_gbs:7.0f}")
-            previous = _config.use_kernels("portable")
+            previous = tuning.use_kernels("portable")
             try:
                 s = best_seconds(lambda: func(src, out=out, num_threads=1), args.repeat)
             finally:
-                _config.use_kernels(previous)
+                tuning.use_kernels(previous)
             gbs = moved / s / 1e9
             print(f"{name + ', portable code, 1 thread':44s} {s * 1e3:8.2f} {gbs:7.2f} "
                   f"{100 * gbs / copy_gbs:7.0f}")

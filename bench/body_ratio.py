@@ -17,7 +17,7 @@ from time import perf_counter_ns, process_time_ns
 import numpy as np
 
 import bnbw_native as bn
-from bnbw_native import _config
+from bnbw_native import tuning
 
 CASES = [  # (shape, data_format)
     ((50, 64, 56, 56), "NCX"),
@@ -63,16 +63,16 @@ def main():
                                            out=(dx, dg, db))
         times = {b: [] for b in bodies}
         for b in bodies:            # warm-up
-            _config.use_kernels(b)
+            tuning.use_kernels(b)
             call()
         clock = perf_counter_ns if args.wall else process_time_ns
         for r in range(args.rounds):
             for b in (bodies if r % 2 == 0 else bodies[::-1]):
-                _config.use_kernels(b)
+                tuning.use_kernels(b)
                 t0 = clock()
                 call()
                 times[b].append((clock() - t0) * 1e-9)
-        _config.use_kernels(None)
+        tuning.use_kernels(None)
         ratio = np.median(np.array(times[bodies[0]]) / np.array(times[bodies[1]]))
         print(f"{str(shape):20s} {fmt:4s} "
               + " ".join(f"{np.median(times[b]) * 1e3:12.3f}" for b in bodies)

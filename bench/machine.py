@@ -10,12 +10,12 @@ import numpy as np
 from threadpoolctl import threadpool_info
 
 import bnbw_native
-from bnbw_native import _config, _schedules
+from bnbw_native import tuning
 
 
 # The caches the package's schedules size their work by (read from the OS once, with
 # defaults where it does not say): the size classes below use the same figures.
-L2_BYTES, L3_BYTES = _schedules.cache_model()[:2]
+L2_BYTES, L3_BYTES = tuning.cache_model()[:2]
 
 TINY_BYTES = 64 << 10
 
@@ -111,6 +111,6 @@ def machine_info(threads):
         "bnbw_native_config": text.getvalue().rstrip(),
         "bnbw_native_file": bnbw_native.__file__,
         "bnbw_native_git": source_version(),
-        "kernel_body": _config.kernel_body(),
+        "kernel_body": tuning.kernel_body(),
         "perf_counters": perf_counters_available(),
     }

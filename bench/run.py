@@ -56,7 +56,7 @@ if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
 
 # The bench modules need BENCH_DIR on the path.
-from bnbw_native import _config  # noqa: E402
+from bnbw_native import tuning  # noqa: E402
 
 from bandwidth import PROBE_BYTES_PER_ELEMENT, Probe, bandwidth_table  # noqa: E402
 from cases import (DEFAULT_FORMULAS, DTYPES, FORMULAS, FORWARD_FORMULAS, LAYOUTS,  # noqa: E402
@@ -115,7 +115,7 @@ def parser():
                    help="also time backward_reduce and backward_apply of training rows "
                         "against the reduce (r2) and apply (r2w1) probes")
     p.add_argument("--bodies", default=None,
-                   help=f"comma list of kernel body caps ({','.join(_config.KERNEL_CAPS)}): "
+                   help=f"comma list of kernel body caps ({','.join(tuning.KERNEL_CAPS)}): "
                         "ours timed once per body in the same rounds, one row each")
     p.add_argument("--layers", action="store_true",
                    help="also time a training step of the PyTorch layers against torch's own "
@@ -221,7 +221,7 @@ def main(argv=None):
         dtypes.remove("bf16")
         notes.append("bf16 rows skipped: ml_dtypes is not installed")
     peers = parse_list(args.peers, PEERS, "peer")
-    bodies = parse_list(args.bodies, _config.KERNEL_CAPS, "kernel body") if args.bodies \
+    bodies = parse_list(args.bodies, tuning.KERNEL_CAPS, "kernel body") if args.bodies \
         else None
     named = select_shapes(args.shapes, args.quick)
     formulas = parse_list(args.formulas, FORMULAS, "formula")

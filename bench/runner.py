@@ -10,7 +10,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 import bnbw_native
-from bnbw_native import _config
+from bnbw_native import tuning
 
 import onednn_peer
 import torch_cache
@@ -100,7 +100,7 @@ class Row:
     onednn_err: list = None
     unfused_err: list = None
     onednn_impl: str = None    # the implementation oneDNN chose, "unsupported: why", or None
-    body: str = None           # the kernel body ours ran on (bnbw_native._config.kernel_body)
+    body: str = None           # the kernel body ours ran on (bnbw_native.tuning.kernel_body)
     body_cap: str = None       # --bodies: the cap asked for (use_kernels)
     vs_first_body: float = None  # --bodies: first body's time / this body's time
     check: str = "pass"
@@ -117,11 +117,11 @@ def resolve_bodies(caps):
     """{cap: body that actually runs under it} (a cap the CPU cannot run falls back)."""
     found = {}
     for cap in caps:
-        previous = _config.use_kernels(cap)
+        previous = tuning.use_kernels(cap)
         try:
-            found[cap] = _config.kernel_body()
+            found[cap] = tuning.kernel_body()
         finally:
-            _config.use_kernels(previous)
+            tuning.use_kernels(previous)
     return found
 
 
@@ -191,7 +191,7 @@ class Runner:
                     del problem, probe_bufs
         finally:
             if self.bodies:
-                _config.use_kernels(None)
+                tuning.use_kernels(None)
         return self.rows
 
     def ours_names(self):
@@ -279,7 +279,7 @@ class Runner:
                 first = next(iter(self.bodies))
                 for name in fns:
                     cap = self.ours_names().get(name, first)
-                    steps[name].append(lambda cap=cap: _config.use_kernels(cap))
+                    steps[name].append(lambda cap=cap: tuning.use_kernels(cap))
             if self.torch_cache is not None:   # torch's outputs reused for "torch" alone
                 for name in fns:
                     steps[name].append(self.torch_cache.on if name == "torch"
@@ -310,7 +310,7 @@ class Runner:
             row = self.make_row(problem, layout, formula, nthreads, tr["elements"],
                                 tr["footprint"], tr["model_bytes"], tr["probe_scale"], times,
                                 name)
-            row.body = self.bodies[cap] if cap else _config.kernel_body()
+            row.body = self.bodies[cap] if cap else tuning.kernel_body()
             row.body_cap = cap
             row.onednn_impl = onednn_state.get("impl")
             self.count_row(row, times, tr["dx_bytes"])

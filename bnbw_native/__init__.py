@@ -47,10 +47,10 @@ from ._two_phase import backward_apply, backward_reduce
 
 if _typing.TYPE_CHECKING:
     # what type checkers see; at run time these load on first use (__getattr__ below)
-    from . import dml, half, intel_spec, ngraph, onednn, reference
+    from . import dml, half, intel_spec, ngraph, onednn, reference, tuning
 
 _SUBMODULES = ("autograd", "distributed", "dml", "half", "intel_spec", "ngraph", "onednn",
-               "reference")
+               "reference", "tuning")
 # The C API's module: PyCapsule_Import("bnbw_native._capi._C_API"), behind every C caller's
 # bnbw_import(), imports only "bnbw_native" and then looks "_capi" up as an attribute, so the
 # attribute must exist even when nothing imported the submodule yet.

@@ -60,12 +60,12 @@ def bench():
 def kernels(cap):
     """Runs the block on the best kernel body up to `cap` ("portable", "avx2", "avx512", "neon"), in
     every module of the package, then restores the previous cap."""
-    from bnbw_native import _config
-    previous = _config.use_kernels(cap)
+    from bnbw_native import tuning
+    previous = tuning.use_kernels(cap)
     try:
         yield
     finally:
-        _config.use_kernels(previous)
+        tuning.use_kernels(previous)
 
 
 def bodies():
@@ -81,11 +81,11 @@ def cpus_beyond_this_machine():
     """A call runs on at most the CPUs the process may use; the tests plan as on a 64-CPU
     machine instead, so that the thread counts they compare (3, 7, 8, ...) run teams of that
     size here too and every schedule meets them.  Tests of the cap itself set the model back
-    (bnbw_native._engine.set_cpu_model(0))."""
-    from bnbw_native import _engine
-    _engine.set_cpu_model(64)
+    (bnbw_native.tuning.set_cpu_model(0))."""
+    from bnbw_native import tuning
+    tuning.set_cpu_model(64)
     yield
-    _engine.set_cpu_model(0)
+    tuning.set_cpu_model(0)
 
 
 @pytest.fixture

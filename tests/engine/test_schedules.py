@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import _arrays, _schedules, backward_reduce, batchnorm_training_backward
+from bnbw_native import _arrays, backward_reduce, batchnorm_training_backward, tuning
 from bnbw_native._onednn_graph import GRAPH
 from conftest import BF16
 
@@ -38,9 +38,9 @@ CASES = [  # shape, data_format
 
 @pytest.fixture
 def cache_model():
-    before = _schedules.cache_model()
-    yield _schedules.set_cache_model
-    _schedules.set_cache_model(*before)
+    before = tuning.cache_model()
+    yield tuning.set_cache_model
+    tuning.set_cache_model(*before)
 
 
 def _bits(results):
@@ -150,9 +150,9 @@ def test_describe_reports_threads_sums_and_temporaries():
 
 @pytest.fixture
 def stream_policy():
-    before = _schedules.set_stream_policy("auto")
-    yield _schedules.set_stream_policy
-    _schedules.set_stream_policy(before)
+    before = tuning.set_stream_policy("auto")
+    yield tuning.set_stream_policy
+    tuning.set_stream_policy(before)
 
 
 @pytest.mark.parametrize("shape, data_format", CASES + [((3, 7, 5, 77), "NCX"),
@@ -237,5 +237,24 @@ def test_the_cache_model_is_what_the_os_lists():
     caches = _sysfs_caches()
     if 2 not in caches or 3 not in caches:
         pytest.skip("this OS lists no L2 and L3 in sysfs")
-    l2, l3, sharers = _schedules.cache_model()
+    l2, l3, sharers = tuning.cache_model()
     assert (l2, l3, sharers) == (caches[2][0], caches[3][0], caches[3][1])
+
+
+# ---- bnbw_native.tuning: the knobs' one door ----------------------------------------------
+
+def test_the_tuning_module_drives_the_knobs_it_names(cache_model):
+    from bnbw_native import tuning
+    x = np.zeros((32, 64, 14, 14), np.float32)
+    tuning.set_cache_model(*SMALL_CACHE)
+    assert tuning.cache_model() == SMALL_CACHE
+    assert tuning.describe(x, "NCX", num_threads=2)["schedule"] == "major-sweep-fused"
+    assert tuning.describe(x, "NCX", formula="frozen", num_threads=2)["schedule"] == "major-sweep"
+    assert tuning.describe(x, "NCX", formula="forward", num_threads=2)["schedule"] in \
+        tuning.SCHEDULES
+    with pytest.raises(ValueError, match="formula must be one of"):
+        tuning.describe(x, "NCX", formula="inference")
+    before = tuning.set_stream_policy("never")
+    assert tuning.set_stream_policy(before) == "never"
+    assert tuning.set_scratch_poison(tuning.set_scratch_poison(True)) is True
+    assert tuning.TILE_ELEMENTS == 2048 and set(tuning.KERNEL_CAPS) >= {"portable"}

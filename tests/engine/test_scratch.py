@@ -13,15 +13,14 @@ Two guards here:
   boundary (and of a kernel tile on channel-major rows) × where an outlier sits (the channel's
   first element, which the forward sums around first; the first row of a later block; the last
   element), against a float64 NumPy reference written here, and bit for bit across schedules;
-* scratch poisoning: `_schedules.set_scratch_poison(True)` fills each call's scratch with NaN,
+* scratch poisoning: `tuning.set_scratch_poison(True)` fills each call's scratch with NaN,
   so that any pass reading what it did not write gives NaN, not a plausible number.
 """
 import numpy as np
 import pytest
 
-from bnbw_native import (_arrays, _schedules, backward_reduce, batchnorm_training_backward,
-                         batchnorm_training_forward)
-from bnbw_native._onednn_graph import GRAPH
+from bnbw_native import (backward_reduce, batchnorm_training_backward,
+                         batchnorm_training_forward, tuning)
 
 NO_CACHE = (1 << 10, 1 << 12, 64)          # nothing fits: smallest fused groups
 LARGE_CACHE = (8 << 20, 1 << 30, 2)        # everything fits: widest fused groups
@@ -31,11 +30,11 @@ BASE, OUTLIER = 3.0, 5000.0                # noise around BASE; the outlier BASE
 
 @pytest.fixture(autouse=True)
 def poisoned_scratch():
-    before = _schedules.cache_model()
-    previous = _schedules.set_scratch_poison(True)
+    before = tuning.cache_model()
+    previous = tuning.set_scratch_poison(True)
     yield
-    _schedules.set_scratch_poison(previous)
-    _schedules.set_cache_model(*before)
+    tuning.set_scratch_poison(previous)
+    tuning.set_cache_model(*before)
 
 
 # Each case: a name, the array shape, data_format and the count per block (rows for NXC,
@@ -102,10 +101,7 @@ def _forward(x, data_format, gamma, beta, threads, relu=False):
 
 
 def _schedule(x, data_format, threads):
-    C = x.shape[-1 if data_format == "NXC" else 1]
-    z = np.zeros(C, np.float32)
-    return _arrays.describe(GRAPH, _arrays.FORWARD, x, None, z, z + 1, None, EPS, data_format,
-                            threads)["schedule"]
+    return tuning.describe(x, data_format, formula="forward", num_threads=threads)["schedule"]
 
 
 def _bits(result):
@@ -119,7 +115,7 @@ def _runs(x, data_format):
     beta = np.linspace(-1.0, 1.0, C).astype(np.float32)
     runs = []
     for model in (NO_CACHE, LARGE_CACHE):
-        _schedules.set_cache_model(*model)
+        tuning.set_cache_model(*model)
         for threads in (1, 2, 3):
             result = _forward(x, data_format, gamma, beta, threads)
             runs.append((_schedule(x, data_format, threads), result))
@@ -153,7 +149,7 @@ def test_the_cases_reach_every_schedule():
     for case in CASES:
         x = _zeros(case)
         for model in (NO_CACHE, LARGE_CACHE):
-            _schedules.set_cache_model(*model)
+            tuning.set_cache_model(*model)
             for threads in (1, 2, 3):
                 seen.add(_schedule(x, case[2], threads))
     assert seen == {"last-split", "major-sweep", "major-blocks", "major-sweep-fused",
@@ -195,12 +191,12 @@ def test_backward_passes_never_read_unwritten_scratch(rng, case):
                 + _bits(backward_reduce(x, dy, mean, data_format=data_format,
                                         num_threads=threads)[:1]))
 
-    _schedules.set_scratch_poison(False)
-    _schedules.set_cache_model(*NO_CACHE)
+    tuning.set_scratch_poison(False)
+    tuning.set_cache_model(*NO_CACHE)
     want = calls(1)
-    _schedules.set_scratch_poison(True)
+    tuning.set_scratch_poison(True)
     for model in (NO_CACHE, LARGE_CACHE):
-        _schedules.set_cache_model(*model)
+        tuning.set_cache_model(*model)
         for threads in (1, 2, 3):
             assert calls(threads) == want, (name, model, threads)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import bnbw_native
-from bnbw_native import _engine
+from bnbw_native import _engine, tuning
 from conftest import BF16, GRAPH_EPSILON as EPSILON, check_graph_result as check_result
 from conftest import graph_case as make_case, graph_reference as expected, make_layout
 from conftest import requires_bf16
@@ -112,9 +112,9 @@ def test_set_num_threads_wins_over_openmp(default_threads):
 
 def test_threads_above_the_cpus_run_on_the_cpus():
     """A call runs on at most the CPUs the process may use (tests otherwise plan as on 64)."""
-    _engine.set_cpu_model(0)
+    tuning.set_cpu_model(0)
     try:
         assert bnbw_native.get_num_threads() <= _engine.cpu_count()
         assert _engine.threads_for(10 ** 4) == _engine.cpu_count()
     finally:
-        _engine.set_cpu_model(64)
+        tuning.set_cpu_model(64)

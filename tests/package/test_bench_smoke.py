@@ -706,3 +706,21 @@ def runner_parser():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.parser()
+
+
+def test_bench_imports_no_private_module_of_the_package():
+    """The benchmark reaches the engine's knobs through bnbw_native.tuning, the one public
+    door for them; a private module (bnbw_native._x) imported there would tie it to the
+    engine's layout."""
+    import ast
+    private = []
+    for path in BENCH.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            private += [f"{path.name}:{node.lineno} {n}" for n in names
+                        if n.startswith("bnbw_native.") and n.split(".")[1].startswith("_")]
+    assert private == []

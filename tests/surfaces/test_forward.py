@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import bnbw_native as bn
-from bnbw_native import _schedules, reference
+from bnbw_native import reference, tuning
 from conftest import BF16, bodies, kernels, make_layout, requires_bf16
 
 EPS = 1e-5
@@ -182,10 +182,10 @@ def test_the_same_bits_on_every_thread_count_schedule_and_body(rng, dtype, shape
     x, stats = problem(rng, shape, data_format, dtype)
     want = bits(bn.batchnorm_training_forward(x, *stats, epsilon=EPS, data_format=data_format,
                                               fuse_relu=True, num_threads=1))
-    before = _schedules.cache_model()
+    before = tuning.cache_model()
     try:
         for model in [(1 << 12, 1 << 14, 1), before, (1 << 30, 1 << 30, 1)]:
-            _schedules.set_cache_model(*model)
+            tuning.set_cache_model(*model)
             for body in bodies():
                 with kernels(body):
                     for threads in (1, 2, 3, 7):
@@ -194,7 +194,7 @@ def test_the_same_bits_on_every_thread_count_schedule_and_body(rng, dtype, shape
                                                             fuse_relu=True, num_threads=threads)
                         assert bits(got) == want, (model, body, threads)
     finally:
-        _schedules.set_cache_model(*before)
+        tuning.set_cache_model(*before)
 
 
 @pytest.mark.parametrize("dtype", STORAGE, ids=STORAGE_IDS)
