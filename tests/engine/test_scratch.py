@@ -230,3 +230,43 @@ def test_forward_sweep_over_channel_counts(rng, C, rows, where, dtype):
     assert np.all(np.abs(runs[0][1].batch_mean - mean) <= ulp)
     ulp = np.spacing(np.abs(var).astype(np.float32)).astype(np.float64)
     assert np.all(np.abs(runs[0][1].batch_variance - var) <= ulp)
+
+
+def test_every_road_to_the_forward_on_the_defect_as_found():
+    """The same 8192 x 4 input through every surface that reaches the forward's kernels: the
+    array call, the DirectML-style training operator (the C API's, whose table is a thin shell
+    over it), the two phases of the Sync layers, and the torch layer against
+    torch.nn.BatchNorm1d.  Each had the wrong mean before."""
+    from bnbw_native import _two_phase, dml
+    x = np.zeros((8192, 4), np.float32)
+    x[0] = 5.0
+    want = np.float32(5.0 / 8192)
+    got = _forward(x, "NXC", None, None, 2)
+    np.testing.assert_array_equal(got.batch_mean, want)
+
+    big, stat = dml.TensorDesc("float32", x.shape), dml.TensorDesc("float32", (1, 4))
+    op = dml.BatchNormalizationTraining(
+        input=big, mean=stat, variance=stat, output=big, output_running_mean=stat,
+        output_running_variance=stat, output_batch_mean=stat, output_batch_variance=stat,
+        epsilon=EPS)
+    out = [np.empty_like(x)] + [np.empty(4, np.float32) for _ in range(4)]
+    op.execute(input=x, mean=np.zeros(4, np.float32), variance=np.ones(4, np.float32),
+               output=out[0], output_running_mean=out[1], output_running_variance=out[2],
+               output_batch_mean=out[3], output_batch_variance=out[4])
+    np.testing.assert_array_equal(out[3], want)
+    assert np.array_equal(out[0].view(np.uint32), got.dst.view(np.uint32))
+
+    # the Sync layers' phases: sums around a shift far from the mean (the first element)
+    shift = x[0].copy()
+    sums, count = _two_phase.forward_reduce(x, shift, data_format="NXC")
+    phases = _two_phase.forward_apply(x, shift, None, None, sums, count, epsilon=EPS,
+                                      data_format="NXC")
+    assert np.all(np.abs(phases[3] - 5.0 / 8192) <= 2 * np.spacing(want))
+
+    torch = pytest.importorskip("torch")
+    from bnbw_native.autograd import BatchNorm
+    t = torch.from_numpy(x)
+    with torch.no_grad():
+        y = BatchNorm(4)(t)
+        ref = torch.nn.BatchNorm1d(4)(t)
+    assert float((y - ref).abs().max()) < 1e-3 * float(ref.abs().max())
