@@ -17,12 +17,13 @@ from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
-from bnbw_native._vocabulary cimport Layout, Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, itemsize
+from bnbw_native._vocabulary cimport (Layout, Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, itemsize,
+                                     BNBW_BLOCK_ROWS)
 
 cdef enum:
     BLOCK = 32768         # channel-major: elements per reduction block
-    LAST_BLOCK = 131072   # channel-last: elements per block, in whole multiples of 16 rows
-    BLOCK_ROWS = 16       # (the kernels' f32 blocks of halves)
+    LAST_BLOCK = 131072   # channel-last: elements per block, in whole multiples of the
+                          # kernels' f32 blocks of halves (BNBW_BLOCK_ROWS rows, bnbw_kernels.h)
     LAST_MIN_ROWS = 128   # ... and at least this many rows: the blocks' sums (16 bytes per
                           # channel) stay within 1/64 of x and dy (f32)
     LAST_MAX_ROWS = 1024  # ... and at most this many: narrow rows still make blocks enough
@@ -318,7 +319,7 @@ cdef int _layout(Plan *p, int ndim, const int64_t *sizes, const unsigned char *r
         # rows per block: about LAST_BLOCK elements, in multiples of 16 rows, within
         # LAST_MIN_ROWS..LAST_MAX_ROWS; as many blocks as the rows make, so that any number of threads finds work
         # (with channel slices: see the schedules)
-        p.block = (LAST_BLOCK // C + BLOCK_ROWS - 1) // BLOCK_ROWS * BLOCK_ROWS
+        p.block = (LAST_BLOCK // C + BNBW_BLOCK_ROWS - 1) // BNBW_BLOCK_ROWS * BNBW_BLOCK_ROWS
         if p.block < LAST_MIN_ROWS:
             p.block = LAST_MIN_ROWS
         if p.block > LAST_MAX_ROWS:
