@@ -9,8 +9,9 @@
 # Checks: the tag is manylinux_*; no module carries a run path (RPATH/RUNPATH) other than
 # $ORIGIN-relative ones (none at all before the repair); the repaired wheel vendors its OpenMP
 # runtime; the installed wheel imports, passes .ci/wheel_smoke.py (a backward call against the
-# float64 reference, threadpoolctl seeing and limiting the vendored runtime), runs bnbw-demo and
-# the C API example.  With torch installable (torch==2.13.0, as .ci/run installs it) the smoke
+# float64 reference, threadpoolctl seeing and limiting the vendored runtime), runs bnbw-demo,
+# the C API example and the plain C program; the tag's glibc covers the newest GLIBC_ symbol
+# version the wheel needs.  With torch installable (torch==2.13.0, as .ci/run installs it) the smoke
 # test also prints whether torch.set_num_threads reaches bnbw_native (README, "Threads").
 # Published wheels come from cibuildwheel (pyproject.toml, [tool.cibuildwheel]) in manylinux
 # images; this stage checks the same steps on this machine's glibc.
@@ -133,13 +134,20 @@ sed -n '/^case/,$p' "$work/demo.txt"
 grep -q "results agree with the float64 reference" "$work/demo.txt" || fail "bnbw-demo disagrees"
 say "bnbw-demo passed"
 
-# the C API from a C extension built against the installed header (needs a C compiler)
+# the C API from a C extension and from a C program, built against the installed header (needs
+# a C compiler)
 if command -v "${CC:-cc}" >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; then
     cp -r "$root/examples/c_extension" "$work/elsewhere/c_extension"
     (cd "$work/elsewhere" && "$user" -I c_extension/run.py "$work/cext") >"$work/cext.log" 2>&1 ||
         { cat "$work/cext.log" >&2; fail "the C API example failed"; }
     grep -E "called from C|refused" "$work/cext.log"
     say "C API example passed"
+    # a plain C program embedding this environment's interpreter (not a Python module)
+    cp -r "$root/examples/c_program" "$work/elsewhere/c_program"
+    (cd "$work/elsewhere" && "$user" -I c_program/run.py "$work/cprog") >"$work/cprog.log" 2>&1 ||
+        { cat "$work/cprog.log" >&2; fail "the C program example failed"; }
+    grep -E "called from a C program|refused" "$work/cprog.log"
+    say "C program example passed"
 fi
 
 mkdir -p "$root/dist"
