@@ -644,7 +644,10 @@ def test_source_version_names_only_a_checkout_of_this_project(bench, tmp_path):
     """The benchmark's header names a git version only when bnbw_native was imported from a
     checkout of its own: a package installed into a virtual environment that lives inside
     another project's repository reported that project's version."""
+    import shutil
     import subprocess
+    if shutil.which("git") is None:       # (the aarch64 stage's Debian root has none)
+        pytest.skip("git is not installed: the test makes git repositories")
 
     def tree(top, package_dir, pyproject):
         (package_dir / "bnbw_native").mkdir(parents=True)
