@@ -91,11 +91,9 @@ def batch_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
     (max(y, 0) when relu).  float64 input runs torch's own batch norm."""
     _check_input(x, None)
     _check_options(eps, num_threads)
-    if x.dtype == torch.float64:
-        _check_float64(x, (("weight", weight), ("bias", bias)))
-        y = torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
-        return torch.relu(y) if relu else y
-    if x.numel() == 0:        # an empty batch: torch's empty y and zero parameter gradients
+    if x.dtype == torch.float64 or x.numel() == 0:     # (an empty batch: torch's empty y)
+        if x.dtype == torch.float64:
+            _check_float64(x, (("weight", weight), ("bias", bias)))
         y = torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
         return torch.relu(y) if relu else y
     _check_more_than_one(x)

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from . import batchnorm_training_backward, get_num_threads, show_config
+from ._engine import cpu_count
 from .reference import batchnorm_training_backward as reference
 
 # logical (N, C, *spatial) sizes; each case runs channels-first (NCX) and channels-last (NXC)
@@ -104,13 +105,6 @@ class TorchPeer:
         return dx.permute(*self.back).numpy(), dgamma.numpy(), dbeta.numpy()
 
 
-def available_cpus():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def busy_note(load, cpus, threads):
     """A warning when other work holds the CPUs the demo times on (the 1-minute load average
     `load`, before the demo starts, against `cpus`), else None.  OpenMP threads that find
@@ -134,7 +128,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     show_config()
-    note = busy_note(load, available_cpus(), get_num_threads())
+    note = busy_note(load, cpu_count(), get_num_threads())
     if note:
         print("\n" + note)
     torch = None if args.no_torch else import_torch()
