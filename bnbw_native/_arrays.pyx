@@ -328,12 +328,21 @@ def check_data_format(value, src, int stacklevel=2):
     """`value` as a plain "NXC" or "NCX".  The default with a torch tensor of rank 3 or more
     as `src` warns (DataFormatWarning): its sizes are (N, C, *) in any memory format.
     `stacklevel`: the caller's Python frame to name (2: the front-end's caller)."""
-    if isinstance(value, str) and value not in _FORMAT_NAMES:
+    if value is NXC_DEFAULT:
+        if not cnp.PyArray_Check(src):
+            _warn_if_torch(src, stacklevel)      # (compiled frames do not count)
+        return "NXC"
+    if isinstance(value, str):
+        if value in _FORMAT_NAMES:
+            return str(value)
         raise ValueError(f"data_format must be one of NXC, NCX (NXC: "
                          f"{_FORMAT_NAMES['NXC']}; NCX: {_FORMAT_NAMES['NCX']}), got {value!r}")
-    check_choice(value, "data_format", tuple(_FORMAT_NAMES))
-    if (value is NXC_DEFAULT and type(src).__module__.split(".")[0] == "torch"
-            and getattr(src, "ndim", 0) >= 3):
+    return check_choice(value, "data_format", tuple(_FORMAT_NAMES))     # raises TypeError
+
+
+cdef _warn_if_torch(src, int stacklevel):
+    """The DataFormatWarning of check_data_format, for a torch tensor of rank 3 or more."""
+    if type(src).__module__.split(".")[0] == "torch" and getattr(src, "ndim", 0) >= 3:
         sizes = tuple(src.shape)
         warnings.warn(
             f"data_format defaults to 'NXC' (channels on the last axis), so this torch tensor "
@@ -341,7 +350,6 @@ def check_data_format(value, src, int stacklevel=2):
             f"torch tensors have (N, C, *) sizes in any memory format: pass data_format='NCX' "
             f"for them (or data_format='NXC' for a tensor that really is channels-last)",
             DataFormatWarning, stacklevel=stacklevel)
-    return str(value)
 
 
 def check_int_choice(value, name, choices):
