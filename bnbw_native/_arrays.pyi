@@ -17,6 +17,7 @@ FORWARD_APPLY: int
 PARAMS: int
 PARAMS_FROM_SUMS: int
 
+def register_tensor_types(types: Any, dtypes: dict[Any, str], strided: Any) -> None: ...
 def as_array(obj: Any, name: str) -> NDArray[Any]: ...
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str: ...
 def check_int_choice(value: object, name: str, choices: Sequence[int]) -> int: ...
@@ -45,6 +46,7 @@ def backward(
     partial: Any = None,
     count: Any = None,
     exact_sums: bool = False,
+    tensors: bool = False,
 ) -> Any: ...
 def describe(
     conv: Convention,
@@ -83,4 +85,6 @@ def forward(
     formula: int = ...,
     partial: Any = None,
     count: Any = None,
+    torch_running: bool = False,
+    tensors: bool = False,
 ) -> Any: ...

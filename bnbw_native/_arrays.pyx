@@ -31,17 +31,17 @@ import numpy as np
 cimport numpy as cnp
 from cpython.mem cimport PyMem_Malloc, PyMem_Free
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, strncpy
 
 from bnbw_native._vocabulary cimport (
     Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64,
     S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS,
-    OP_EXACT_SUMS, OP_FORWARD, OP_RELU, OP_DX, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
-    DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS, DO_PARAMS_FROM_SUMS,
+    OP_EXACT_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_DX, DO_TRAINING, DO_FROZEN_DX,
+    DO_FROZEN, DO_REDUCE, DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS, DO_PARAMS_FROM_SUMS,
     bnbw_status, BNBW_OK)
-from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, FAMILY_ARRAYS,
+from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Convention, FAMILY_ARRAYS,
                                  FAMILY_DIRECTML, NAME_EPSILON, NAME_CAP, MESSAGE_CAP,
                                  check_call, layout_of, check_epsilon_value, copy_name,
                                  parse_real, raise_status)
@@ -104,6 +104,61 @@ cdef void _fill(Arg *a, cnp.ndarray arr) except *:
     else:
         copy_name(a.type_name, f"{arr.dtype.str} (non-native byte order)", 40)
     a.type_name[39] = 0
+
+
+# ---- torch tensors read in place: no NumPy view (the torch layers' calls) ----
+
+cdef tuple _tensor_types = ()     # exactly these types (torch.Tensor, torch.nn.Parameter)
+cdef dict _tensor_dtypes = {}     # torch dtype -> (DType code, itemsize, name)
+cdef object _strided = None       # torch.strided
+
+
+cdef inline bint _lazy_tensor(t) except -1:
+    """A tensor whose memory holds -x or conj(x), not its values (see _lazy_bit)."""
+    return t.is_neg() or t.is_conj()
+
+
+def register_tensor_types(types, dtypes, strided):
+    """Let calls made with tensors=True read tensors of exactly `types` in place, from their
+    address, sizes and strides; `dtypes` maps the torch dtypes the kernels take to their names,
+    `strided` is torch.strided.  _torch_ops registers torch's: torch is never imported here."""
+    global _tensor_types, _strided
+    codes = {"float32": (DT_F32, 4), "float16": (DT_F16, 2), "bfloat16": (DT_BF16, 2),
+             "float64": (DT_F64, 8), "bool": (DT_BOOL, 1)}
+    _tensor_types = tuple(types)
+    _tensor_dtypes.clear()
+    for dtype, name in dtypes.items():
+        _tensor_dtypes[dtype] = (*codes[name], name)
+    _strided = strided
+
+
+cdef bint _fill_tensor(Arg *a, t) except -1:
+    """a describes a plain CPU tensor's memory (of a registered type and dtype, strided, its
+    memory its values); False, a untouched, for anything else, which then goes through
+    NumPy."""
+    cdef int d, code, size
+    if type(t) not in _tensor_types:
+        return False
+    entry = _tensor_dtypes.get(t.dtype)
+    if entry is None or not t.is_cpu or t.layout is not _strided or _lazy_tensor(t):
+        return False
+    shape = t.shape
+    strides = t.stride()
+    if len(shape) > ARG_DIMS:
+        return False
+    code, size, name = entry
+    a.present = True
+    a.data = <char *> <uintptr_t> <uint64_t> t.data_ptr()
+    a.ndim = len(shape)
+    for d in range(a.ndim):
+        a.shape[d] = shape[d]
+        a.strides[d] = strides[d] * size
+    a.writable = True
+    a.aligned = (<uintptr_t> a.data) % size == 0
+    a.dtype = code
+    strncpy(a.type_name, <bytes> name.encode(), 39)
+    a.type_name[39] = 0
+    return True
 
 
 # ---- DLPack: the capsule's own structs (dlpack.h, ABI 0.x and 1.x), to read its dtype ----
@@ -251,10 +306,18 @@ def as_array(obj, name):
     return arr
 
 
-cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep):
+cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep,
+                        bint tensors):
     """An input argument: any array-like; copied only when the kernels could not read it in
-    place (non-native byte order, misaligned).  Returns the array the engine reads."""
+    place (non-native byte order, misaligned).  Returns the array the engine reads (None for a
+    tensor read in place, when `tensors`)."""
     cdef cnp.ndarray arr
+    if tensors and type(obj) in _tensor_types:
+        if _lazy_tensor(obj):       # its memory is not its values: read them (a copy)
+            obj = obj.detach().resolve_conj().resolve_neg()
+            keep.append(obj)
+        if _fill_tensor(a, obj) and a.aligned:
+            return None
     if cnp.PyArray_Check(obj):
         arr = <cnp.ndarray> obj
     else:
@@ -270,10 +333,13 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
     return arr
 
 
-cdef object _output(object obj, Arg *a, str label):
-    """A given output: a NumPy array, or a DLPack producer written in place.  Returns the
-    array that views it.  A torch tensor with the negative or conjugate bit is refused: its
-    memory holds -x (or conj(x)), so results written there would read back wrong."""
+cdef object _output(object obj, Arg *a, str label, bint tensors):
+    """A given output: a NumPy array, or a DLPack producer written in place (a tensor in place
+    when `tensors`).  Returns the array that views it.  A torch tensor with the negative or
+    conjugate bit is refused: its memory holds -x (or conj(x)), so results written there would
+    read back wrong."""
+    if tensors and _fill_tensor(a, obj):
+        return obj
     if cnp.PyArray_Check(obj):
         arr = obj
     elif hasattr(obj, "__dlpack__"):
@@ -397,9 +463,10 @@ _FORWARD_OUT_ROLES[:] = [S_DX, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
 
 cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, epsilon,
                      data_format, out, num_threads, beta, relu_dst, diff_residual, partial,
-                     count, momentum):
+                     count, momentum, bint tensors=False):
     """Marshal, check and allocate: everything of a call but running it.  Returns (results,
-    keep): the output arrays, and the arrays the call must keep alive."""
+    keep): the output arrays, and the arrays the call must keep alive.  tensors: torch tensors
+    are read and written in place (the layers' calls, which give every output)."""
     cdef const Rules *r = &conv.rules
     cdef char msg[MESSAGE_CAP]
     cdef bnbw_status rc
@@ -411,6 +478,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     cdef cnp.ndarray X, M
     cdef list keep = []
     cdef bint reduce_only = (op & OP_RETURN_SUMS) != 0
+    tensors = tensors and (out is not None or reduce_only)   # nothing allocated like them
     if op & OP_FORWARD:
         out_roles = &_FORWARD_OUT_ROLES[0]
     elif params_only:
@@ -418,21 +486,21 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     for t in range(N_ROLES):
         a[t].present = False
         a[t].data = NULL
-    X = _input(x, &a[S_X], conv, S_X, keep)
+    X = _input(x, &a[S_X], conv, S_X, keep, tensors)
     c.axis = 0
     if r.family == FAMILY_ARRAYS:
         c.axis = 1 if data_format == "NCX" else a[S_X].ndim - 1
     if not (op & OP_FORWARD):
-        _input(dy, &a[S_DY], conv, S_DY, keep)
-    M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep)
+        _input(dy, &a[S_DY], conv, S_DY, keep, tensors)
+    M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep, tensors)
     if var is not None or not reduce_only:
-        _input(var, &a[S_VAR], conv, S_VAR, keep)
+        _input(var, &a[S_VAR], conv, S_VAR, keep, tensors)
     if scale is not None or r.scale_required:
-        _input(scale, &a[S_SCALE], conv, S_SCALE, keep)
+        _input(scale, &a[S_SCALE], conv, S_SCALE, keep, tensors)
     if beta is not None or r.beta_required:
-        _input(beta, &a[S_BETA], conv, S_BETA, keep)
+        _input(beta, &a[S_BETA], conv, S_BETA, keep, tensors)
     if relu_dst is not None:
-        _input(relu_dst, &a[S_MASK], conv, S_MASK, keep)
+        _input(relu_dst, &a[S_MASK], conv, S_MASK, keep, tensors)
     c.eps.value = 1.0
     if not reduce_only:
         parse_real(epsilon, &c.eps, "epsilon")
@@ -442,7 +510,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     c.count = -1
     if op & OP_GIVEN_SUMS:
         try:
-            _input(partial, &a[S_PARTIAL], conv, S_PARTIAL, keep)
+            _input(partial, &a[S_PARTIAL], conv, S_PARTIAL, keep, tensors)
         except TypeError:
             raise TypeError("partial must be a float64 array of shape (2, C) from "
                             "backward_reduce") from None
@@ -469,10 +537,11 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
             raise TypeError(f"out must be a tuple of {n_out} arrays, got {type(out).__name__}")
         if len(out) != n_out:
             raise ValueError(f"out must hold {n_out} arrays (one per output), got {len(out)}")
-        given = [_output(out[t], &a[out_roles[t]], r.labels[out_roles[t]].decode())
+        given = [_output(out[t], &a[out_roles[t]], r.labels[out_roles[t]].decode(),
+                         tensors)
                  for t in range(n_out)]
     if diff_residual is not None:
-        keep.append(_output(diff_residual, &a[S_DRES], r.labels[S_DRES].decode()))
+        keep.append(_output(diff_residual, &a[S_DRES], r.labels[S_DRES].decode(), tensors))
 
     with nogil:
         rc = check_call(r, a, op, c.axis, NULL if reduce_only else &c.eps,
@@ -529,7 +598,7 @@ cdef object _run(Convention conv, const Call *c, Arg *a, results):
     try:
         with nogil:
             rc = engine_run(&layout, ptr, c.op, <float> c.eps.value,
-                            <float> c.momentum.value if c.op & OP_FORWARD else 0.0,
+                            _engine_momentum(c),
                             <double> c.count, sums, c.requested)
         if rc != BNBW_OK:
             raise MemoryError("bnbw_native: out of memory")
@@ -546,6 +615,16 @@ cdef object _run(Convention conv, const Call *c, Arg *a, results):
     return tuple(results)
 
 
+cdef inline double _engine_momentum(const Call *c) noexcept nogil:
+    """The forward's momentum as the engine takes it: rounded to float32 as the conventions
+    define it; PyTorch's (OP_TORCH_RUNNING), a Python float, as it is."""
+    if not (c.op & OP_FORWARD):
+        return 0.0
+    if c.op & OP_TORCH_RUNNING:
+        return c.momentum.value
+    return <float> c.momentum.value
+
+
 cdef int64_t _local_count(const Layout *l):
     """M of this call: the product of the reduced sizes."""
     cdef int64_t m = 1
@@ -558,14 +637,17 @@ cdef int64_t _local_count(const Layout *l):
 
 def backward(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None,
              data_format="NXC", out=None, num_threads=None, *, beta=None, relu_dst=None,
-             diff_residual=None, partial=None, count=None, bint exact_sums=False):
+             diff_residual=None, partial=None, count=None, bint exact_sums=False,
+             bint tensors=False):
     """Check and run one array call of `conv`.  Returns (dx, dscale, dbias) - dscale and dbias
-    None for FROZEN_DX - or, for REDUCE, ((2, C) float64 sums, count)."""
+    None for FROZEN_DX - or, for REDUCE, ((2, C) float64 sums, count).  tensors: torch tensors
+    read and written in place when every output is given (the torch layers)."""
     cdef Arg a[N_ROLES]
     cdef Call c
     c.op = formula | (OP_EXACT_SUMS if exact_sums else 0)
     results, keep = _prepare(conv, &c, a, x, dy, mean, var, scale, epsilon, data_format, out,
-                             num_threads, beta, relu_dst, diff_residual, partial, count, None)
+                             num_threads, beta, relu_dst, diff_residual, partial, count, None,
+                             tensors)
     try:
         return _run(conv, &c, a, results)
     finally:
@@ -590,16 +672,19 @@ def describe(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None
 
 def forward(Convention conv, src, mean, variance, gamma, beta, epsilon, momentum,
             data_format="NXC", bint relu=False, out=None, num_threads=None, *,
-            int formula=DO_FORWARD, partial=None, count=None):
+            int formula=DO_FORWARD, partial=None, count=None, bint torch_running=False,
+            bint tensors=False):
     """Check and run one training forward of `conv`.  Returns (y, running_mean,
     running_variance, batch_mean, batch_variance); FORWARD_REDUCE: the sums around `mean` (a
-    shift) and the local count; FORWARD_APPLY: the outputs from the given sums and count."""
+    shift) and the local count; FORWARD_APPLY: the outputs from the given sums and count.
+    torch_running: the running statistics as PyTorch keeps them (momentum weighs the batch,
+    the variance unbiased); tensors: as for `backward`."""
     cdef Arg a[N_ROLES]
     cdef Call c
-    c.op = formula | (OP_RELU if relu else 0)
+    c.op = formula | (OP_RELU if relu else 0) | (OP_TORCH_RUNNING if torch_running else 0)
     results, keep = _prepare(conv, &c, a, src, None, mean, variance, gamma, epsilon,
                              data_format, out, num_threads, beta, None, None, partial, count,
-                             momentum)
+                             momentum, tensors)
     try:
         return _run(conv, &c, a, results)
     finally:

@@ -41,9 +41,9 @@ from bnbw_native._vocabulary cimport (
     Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, DT_F32, DT_BF16, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING, OP_DX,
     OP_PARAMS, OP_RETURN_SUMS, OP_EXACT_SUMS, SERIAL_BELOW, itemsize, imin, chan_origin,
-    S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_FORWARD, OP_RELU, row_origin, load_stat, store_stat,
-    coefficients, forward_coefficients, forward_recentre, bnbw_io, bnbw_run, bnbw_kernel_table,
-    BNBW_NO_MASK, BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD)
+    S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, row_origin,
+    load_stat, store_stat, coefficients, forward_coefficients, forward_recentre, bnbw_io,
+    bnbw_run, bnbw_kernel_table, BNBW_NO_MASK, BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD)
 
 cdef enum:
     TILE = 2048           # channel-major rows reach the kernels in pieces of at most this many
@@ -853,21 +853,27 @@ cdef float _first_shift(const Plan *p, char **ptr, int64_t c) noexcept nogil:
 
 cdef void _store_forward_statistics(const Work *w, int64_t c, double momentum) noexcept nogil:
     """The batch mean and variance, and the running ones: momentum * old + (1 - momentum) *
-    batch in f64, each rounded once.  An empty batch (M = 0) leaves the running statistics
-    as they were and has zero batch statistics."""
+    batch in f64, each rounded once (OP_TORCH_RUNNING: (1 - momentum) * old + momentum *
+    batch, the variance unbiased).  An empty batch (M = 0) leaves the running statistics as
+    they were and has zero batch statistics."""
     cdef const Plan *p = w.p
     cdef int s, old
-    cdef double batch
+    cdef double batch, run, keep = momentum, take = 1.0 - momentum
     cdef int64_t isz = itemsize(p.stat_dtype)
+    if w.op & OP_TORCH_RUNNING:
+        keep, take = 1.0 - momentum, momentum
     for s in range(2):
         batch = (w.dscale if s == 0 else w.dbias)[c] if w.count > 0 else 0.0
         store_stat(w.ptr[S_BATCH_MEAN + s], p.stat_dtype, chan_origin(p, S_BATCH_MEAN + s, c),
                    batch)
         old = S_MEAN + s
         if w.count > 0:
+            run = batch
+            if s == 1 and w.op & OP_TORCH_RUNNING and w.count > 1:
+                run = batch * (w.count / (w.count - 1.0))
             store_stat(w.ptr[S_RUN_MEAN + s], p.stat_dtype, chan_origin(p, S_RUN_MEAN + s, c),
-                       momentum * load_stat(w.ptr[old], p.stat_dtype, chan_origin(p, old, c))
-                       + (1.0 - momentum) * batch)
+                       keep * load_stat(w.ptr[old], p.stat_dtype, chan_origin(p, old, c))
+                       + take * run)
         else:
             memmove(w.ptr[S_RUN_MEAN + s] + chan_origin(p, S_RUN_MEAN + s, c),
                     w.ptr[old] + chan_origin(p, old, c), isz)

@@ -1,15 +1,24 @@
 """The PyTorch custom operators behind bnbw_native.autograd.
 
-    torch.ops.bnbw_native.batch_norm_train(x, weight, bias, eps, relu, group, num_threads)
-        -> (y, mean, variance, count)
+    torch.ops.bnbw_native.batch_norm_train(x, weight, bias, running_mean, running_var,
+        factor, eps, relu, group, num_threads)
+        -> (y, mean, variance, count, new_running_mean, new_running_var)
     torch.ops.bnbw_native.batch_norm_train_backward(grad_y, x, weight, mean, variance,
         relu_out, eps, group, num_threads, input_grad) -> (grad_x, grad_weight, grad_bias)
 
 Registered with torch.library.custom_op, with fake (meta) implementations and an autograd
 formula, so eager mode, torch.compile (the graph holds the operators as opaque calls) and
-torch.func transforms all run the same kernels.  The real implementations read x and dy in
-place through NumPy views of the tensors' memory and write grad_x straight into the tensor
-they return.
+torch.func transforms all run the same kernels and give the same bits.  Each pass is one
+native call on the tensors themselves (address, sizes, strides): y and grad_x are written
+straight into the tensors returned.  In plain eager mode the layers skip the dispatcher and
+the custom-op wrappers (EagerLayerStep), about 60 us per layer and step.
+
+The new running statistics are PyTorch's update of running_mean and running_var (None: not
+tracked, and the new ones are empty): (1 - factor) * old + factor * batch, the variance
+unbiased (M / (M - 1)); without a group in the forward's native call, from its float64
+statistics rounded once; with a group by torch ops on the float32 ones.  The operator is
+functional (autograd formulas need that) and the layer stores them; EagerLayerStep has the
+kernel write them in place, the same bits.
 
 `group` names the torch.distributed group whose statistics and sums are merged: "" for none
 (a plain batch norm), else a key from `group_key` (operators take strings, not groups); the
@@ -25,12 +34,18 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._arrays import PARAMS, PARAMS_FROM_SUMS, backward, forward
-from ._onednn_graph import FORWARD, batchnorm_training_backward
+from ._arrays import (PARAMS, PARAMS_FROM_SUMS, TRAINING, backward, forward,
+                      register_tensor_types)
+from ._onednn_graph import FORWARD, GRAPH
 from ._two_phase import TWO_PHASE, forward_apply, forward_reduce
 from ._engine import RECENTRE
 
 STORAGE = (torch.float32, torch.float16, torch.bfloat16)
+
+# tensors of these types reach the kernels as they are: address, sizes, strides
+register_tensor_types((torch.Tensor, torch.nn.Parameter),
+                      {torch.float32: "float32", torch.float16: "float16",
+                       torch.bfloat16: "bfloat16"}, torch.strided)
 
 
 # ---- zero-copy views ---------------------------------------------------------------------
@@ -135,44 +150,86 @@ def _check_params(x, weight, bias):
             raise TypeError(f"{name} must be a floating-point tensor, got {p.dtype}")
 
 
-def _f32(t):
-    return None if t is None else t.detach().to(torch.float32)
+def _f32(p):
+    """A parameter as the kernels read it: float32 (the layers keep theirs in float32)."""
+    return p if p is None or p.dtype == torch.float32 else p.detach().to(torch.float32)
 
 
 # ---- forward -----------------------------------------------------------------------------
 
-def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                 relu: bool, group: str, num_threads: Optional[int]
-                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Training-mode batch norm of (N, C, *) by the engine's forward: y (ReLU applied when
-    relu), the batch mean and biased variance (float32) and the element count per channel
-    (int64, all ranks of the group)."""
-    _check_params(x, weight, bias)
+def _update_running(running, mean, var, count, factor, updated):
+    """PyTorch's running-statistics update by torch ops, from float32 batch statistics, into
+    `updated` (which may be `running` itself)."""
+    with torch.no_grad():
+        torch.mul(running[0], 1 - factor, out=updated[0]).add_(mean, alpha=factor)
+        torch.mul(running[1], 1 - factor, out=updated[1]).add_(var * (count / (count - 1)),
+                                                               alpha=factor)
+
+
+def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, updated=None):
+    """(y, batch mean, biased batch variance, element count per channel) of a training batch
+    norm; with `running` (running_mean, running_var), their update written to `updated` (the
+    same tensors: in place)."""
+    channels = x.shape[1]
+    nt = threads(num_threads)
+    if group:
+        y, mean, var, count = _sync_forward(x, weight, bias, eps, relu, group, nt)
+        if running is not None:
+            _update_running(running, mean, var, count, factor, updated)
+        return y, mean, var, count
+    count = x.numel() // channels if channels else 0
+    if count == 0:
+        raise ValueError("batch norm in training mode needs at least one value per "
+                         f"channel; got input of shape {tuple(x.shape)}")
+    y = torch.empty_like(x)
+    mean = torch.empty(channels, dtype=torch.float32)
+    var = torch.empty_like(mean)
+    if running is None:       # the old statistics are placeholders, the new ones dropped
+        old = np.zeros(channels, np.float32)
+        running, updated = (old, old), (np.empty_like(old), np.empty_like(old))
+    forward(FORWARD, x, *running, _f32(weight), _f32(bias), eps, factor, "NCX", relu,
+            (y, *updated, mean, var), nt, torch_running=True, tensors=True)
+    return y, mean, var, count
+
+
+def _sync_forward(x, weight, bias, eps, relu, group, nt):
+    """_forward over a process group: the sums all-reduced between the two phases."""
     perm, data_format = channel_order(x)
     channels = x.shape[1]
     y = torch.empty_like(x)
     mean = torch.empty(channels, dtype=torch.float32)
     var = torch.empty_like(mean)
-    running = np.empty((2, channels), np.float32)     # the operator's, dropped (below)
+    dropped = np.empty((2, channels), np.float32)     # the two-phase apply's running outputs
     xs = np_view(x.permute(perm))
-    out = (np_view(y.permute(perm)), running[0], running[1], np_view(mean), np_view(var))
+    out = (np_view(y.permute(perm)), dropped[0], dropped[1], np_view(mean), np_view(var))
     gamma, beta = (None if p is None else np_view(_f32(p)) for p in (weight, bias))
-    nt = threads(num_threads)
-    if group:
-        shift, sums, count = _sync_sums(xs, data_format, channels, _group(group), nt)
-        forward_apply(xs, shift, gamma, beta, sums, count, epsilon=eps,
-                      data_format=data_format, relu=relu, out=out, num_threads=nt)
-    else:
-        count = x.numel() // channels if channels else 0
-        if count == 0:
-            raise ValueError("batch norm in training mode needs at least one value per "
-                             f"channel; got input of shape {tuple(x.shape)}")
-        # the layer keeps its own running statistics (PyTorch's momentum, unbiased variance):
-        # the operator's old ones are placeholders, its new ones (momentum 0) are dropped
-        placeholder = np.zeros(channels, np.float32)
-        forward(FORWARD, xs, placeholder, placeholder, gamma, beta, eps, 0.0, data_format, relu,
-                out, nt)
-    return y, mean, var, torch.tensor(count, dtype=torch.int64)
+    shift, sums, count = _sync_sums(xs, data_format, channels, _group(group), nt)
+    forward_apply(xs, shift, gamma, beta, sums, count, epsilon=eps, data_format=data_format,
+                  relu=relu, out=out, num_threads=nt)
+    return y, mean, var, count
+
+
+def _running(running_mean, running_var):
+    return None if running_mean is None else (running_mean, running_var)
+
+
+def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                 running_mean: Optional[Tensor], running_var: Optional[Tensor], factor: float,
+                 eps: float, relu: bool, group: str, num_threads: Optional[int]
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Training-mode batch norm of (N, C, *) by the engine's forward: y (ReLU applied when
+    relu), the batch mean and biased variance (float32), the element count per channel
+    (int64, all ranks of the group) and the new running statistics (empty when not
+    tracked)."""
+    _check_params(x, weight, bias)
+    running = _running(running_mean, running_var)
+    updated = None if running is None else (torch.empty_like(running[0]),
+                                            torch.empty_like(running[1]))
+    y, mean, var, count = _forward(x, weight, bias, running, factor, eps, relu, group,
+                                   num_threads, updated)
+    if updated is None:
+        updated = (mean.new_empty(0), mean.new_empty(0))
+    return y, mean, var, torch.tensor(count, dtype=torch.int64), *updated
 
 
 batch_norm_train = torch.library.custom_op("bnbw_native::batch_norm_train", forward_impl,
@@ -180,10 +237,13 @@ batch_norm_train = torch.library.custom_op("bnbw_native::batch_norm_train", forw
 
 
 @batch_norm_train.register_fake
-def _(x, weight, bias, eps, relu, group, num_threads):
+def _(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads):
     _check_params(x, weight, bias)
     mean = x.new_empty(x.shape[1], dtype=torch.float32)
-    return torch.empty_like(x), mean, torch.empty_like(mean), x.new_empty((), dtype=torch.int64)
+    new = ((mean.new_empty(0), mean.new_empty(0)) if running_mean is None else
+           (torch.empty_like(running_mean), torch.empty_like(running_var)))
+    return (torch.empty_like(x), mean, torch.empty_like(mean),
+            x.new_empty((), dtype=torch.int64), *new)
 
 
 # ---- backward ----------------------------------------------------------------------------
@@ -195,35 +255,35 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
     """(grad_x, grad_weight, grad_bias) of batch_norm_train; grad_x is empty unless
     input_grad.  The parameter gradients are this rank's (float32, whatever weight's type).
     With relu_out (the layer's output), the engine masks the gradient with it in both
-    passes."""
-    perm, data_format = channel_order(x)
+    passes.  Without a group: one native call on the tensors' own memory."""
     channels = x.shape[1]
-    relu_dst = None if relu_out is None else np_view(relu_out.permute(perm))
-    xs, dys = np_view(x.permute(perm)), np_view(grad_y.permute(perm))
-    stats = np_view(mean), np_view(var)
-    gamma = None if weight is None else np_view(_f32(weight))
+    gamma = _f32(weight)
     nt = threads(num_threads)
     dgamma = torch.empty(channels, dtype=torch.float32)
     dbeta = torch.empty_like(dgamma)
-    params = (np_view(dgamma), np_view(dbeta))
     if not input_grad:
         # parameters only: the sums and their coefficients, no dx pass
-        backward(TWO_PHASE, PARAMS, xs, dys, *stats, gamma, eps, data_format, params, nt,
-                 relu_dst=relu_dst)
+        backward(TWO_PHASE, PARAMS, x, grad_y, mean, var, gamma, eps, "NCX", (dgamma, dbeta),
+                 nt, relu_dst=relu_out, tensors=True)
         return x.new_empty(0), dgamma, dbeta
     dx = torch.empty_like(x)
-    out = (np_view(dx.permute(perm)), *params)
-    if group:
-        from .distributed import _torch_sync
-        _, local = _torch_sync(xs, dys, *stats, gamma, epsilon=eps, group=_group(group),
-                               out=out, keep_local=True, data_format=data_format,
-                               num_threads=nt, relu_dst=relu_dst)
-        # DistributedDataParallel averages parameter gradients: this rank's, from its sums
-        backward(TWO_PHASE, PARAMS_FROM_SUMS, xs, dys, *stats, gamma, eps, data_format, params,
-                 nt, relu_dst=relu_dst, partial=local, count=x.numel() // channels)
-    else:
-        batchnorm_training_backward(xs, dys, *stats, gamma, epsilon=eps, out=out,
-                                    data_format=data_format, num_threads=nt, relu_dst=relu_dst)
+    if not group:
+        backward(GRAPH, TRAINING, x, grad_y, mean, var, gamma, eps, "NCX", (dx, dgamma, dbeta),
+                 nt, relu_dst=relu_out, tensors=True)
+        return dx, dgamma, dbeta
+    from .distributed import _torch_sync
+    perm, data_format = channel_order(x)
+    relu_dst = None if relu_out is None else np_view(relu_out.permute(perm))
+    xs, dys = np_view(x.permute(perm)), np_view(grad_y.permute(perm))
+    stats = np_view(mean), np_view(var)
+    gamma_np = None if gamma is None else np_view(gamma)
+    params = (np_view(dgamma), np_view(dbeta))
+    _, local = _torch_sync(xs, dys, *stats, gamma_np, epsilon=eps, group=_group(group),
+                           out=(np_view(dx.permute(perm)), *params), keep_local=True,
+                           data_format=data_format, num_threads=nt, relu_dst=relu_dst)
+    # DistributedDataParallel averages parameter gradients: this rank's, from its sums
+    backward(TWO_PHASE, PARAMS_FROM_SUMS, xs, dys, *stats, gamma_np, eps, data_format, params,
+             nt, relu_dst=relu_dst, partial=local, count=x.numel() // channels)
     return dx, dgamma, dbeta
 
 
@@ -261,30 +321,32 @@ batch_norm_train_backward.register_vmap(
 # ---- autograd ----------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps, relu, group, num_threads = inputs
-    y, mean, var, _ = output
+    x, weight, bias, _, _, _, eps, relu, group, num_threads = inputs
+    y, mean, var, _, new_mean, new_var = output
     ctx.save_for_backward(x, weight, mean, var, y if relu else None)
     ctx.eps, ctx.group, ctx.num_threads = eps, group, num_threads
     ctx.param_types = (None if weight is None else weight.dtype,
                        None if bias is None else bias.dtype)
-    ctx.mark_non_differentiable(mean, var)
+    ctx.mark_non_differentiable(mean, var, new_mean, new_var)
 
 
-def _grads(ctx, grad_y, backward):
-    """The autograd formula: `backward` is the operator, or its implementation in eager mode."""
-    x, weight, mean, var, y = ctx.saved_tensors
+def _grads(ctx, grad_y, backward, stats=()):
+    """The autograd formula: `backward` is the operator, or its implementation in eager mode;
+    the saved tensors hold the statistics unless given."""
+    x, weight, *saved, y = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if not (need_x or need_w or need_b):
-        return None, None, None, None, None, None, None
-    dx, dgamma, dbeta = backward(grad_y, x, weight, mean, var, y, ctx.eps, ctx.group,
+        return (None,) * len(ctx.needs_input_grad)
+    dx, dgamma, dbeta = backward(grad_y, x, weight, *(stats or saved), y, ctx.eps, ctx.group,
                                  ctx.num_threads, need_x)
     w_type, b_type = ctx.param_types
-    return (dx if need_x else None, dgamma.to(w_type) if need_w else None,
-            dbeta.to(b_type) if need_b else None, None, None, None, None)
+    return ((dx if need_x else None, dgamma.to(w_type) if need_w else None,
+             dbeta.to(b_type) if need_b else None)
+            + (None,) * (len(ctx.needs_input_grad) - 3))
 
 
 @once_differentiable
-def _backward(ctx, grad_y, _mean, _var, _count):
+def _backward(ctx, grad_y, _mean, _var, _count, _new_mean, _new_var):
     return _grads(ctx, grad_y, torch.ops.bnbw_native.batch_norm_train_backward)
 
 
@@ -299,36 +361,51 @@ class BatchNormTrain(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, eps, relu, group, num_threads):
-        return torch.ops.bnbw_native.batch_norm_train(x, weight, bias, eps, relu, group,
-                                                      num_threads)
+    def forward(*inputs):
+        return torch.ops.bnbw_native.batch_norm_train(*inputs)
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
 
 
-class EagerBatchNormTrain(torch.autograd.Function):
-    """The same again for plain eager mode, calling the implementations without the
-    dispatcher and the custom-op wrappers (about 60 us less per layer and step)."""
+class EagerLayerStep(torch.autograd.Function):
+    """batch_norm_train in plain eager mode, without the dispatcher and the custom-op
+    wrappers: y is the only output, the statistics stay in the context."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+    def forward(ctx, x, weight, bias, running, factor, eps, relu, group, num_threads):
+        y, mean, var, _ = _forward(x, weight, bias, running, factor, eps, relu, group,
+                                   num_threads, running)
+        if running is not None and not group:    # written by the kernel, as by torch's op
+            torch.autograd.graph.increment_version(running)
+        ctx.save_for_backward(x, weight, y if relu else None)
+        ctx.stats = (mean, var)
+        ctx.eps, ctx.group, ctx.num_threads = eps, group, num_threads
+        ctx.param_types = (None if weight is None else weight.dtype,
+                           None if bias is None else bias.dtype)
+        return y
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_y, _mean, _var, _count):
-        return _grads(ctx, grad_y, backward_impl)
+    def backward(ctx, grad_y):
+        return _grads(ctx, grad_y, backward_impl, ctx.stats)
 
 
-def train(x, weight, bias, eps, relu, group, num_threads):
-    """batch_norm_train with its autograd formula: the operator when compiling (the graph
-    holds it), BatchNormTrain under torch.func transforms, EagerBatchNormTrain otherwise."""
-    args = (x, weight, bias, eps, relu, group, num_threads)
+def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads):
+    """y of batch_norm_train with its autograd formula, the running statistics updated in
+    place: EagerLayerStep in plain eager mode; else the operator (the graph holds it when
+    compiling), through BatchNormTrain under torch.func transforms, its new running
+    statistics then stored."""
+    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+        return EagerLayerStep.apply(x, weight, bias, _running(running_mean, running_var),
+                                    factor, eps, relu, group, num_threads)
+    args = (x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads)
     if torch.compiler.is_compiling():
-        return torch.ops.bnbw_native.batch_norm_train(*args)
-    if torch._C._are_functorch_transforms_active():
-        return BatchNormTrain.apply(*args)
-    return EagerBatchNormTrain.apply(*args)
+        y, _, _, _, new_mean, new_var = torch.ops.bnbw_native.batch_norm_train(*args)
+    else:
+        y, _, _, _, new_mean, new_var = BatchNormTrain.apply(*args)
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.copy_(new_mean)
+            running_var.copy_(new_var)
+    return y

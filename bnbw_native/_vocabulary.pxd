@@ -269,6 +269,8 @@ cdef enum:  # Op
     OP_EXACT_SUMS = 64   # every term in f64, halves too (no f32 blocks)
     OP_FORWARD = 128     # the training forward: Sum (x - shift), Sum (x - shift)^2, then y
     OP_RELU = 256        # the forward's y through a ReLU
+    OP_TORCH_RUNNING = 512   # the forward's running statistics as PyTorch keeps them: the
+                             # momentum weighs the batch, whose variance is unbiased (M / (M-1))
 
 # The public formulas, as the front-ends ask for them.
 cdef enum:  # Formula

@@ -11,22 +11,23 @@ Design:
 * Forward (training): the engine's training forward (bnbw_native.batchnorm_training_forward):
   the batch mean and biased variance from exact float64 sums, y = weight * (x - mean) /
   sqrt(var + eps) + bias written straight into the tensor returned (and the ReLU in the same
-  pass for the fused layers); the layer updates its running statistics with PyTorch's momentum
-  and the unbiased variance.  The Sync layers run the forward in two phases: the sums and
-  counts all-reduced once (a second time only for channels whose mean lies far from zero), so
-  every rank holds the same bits.
-* Backward: x and dy reach the kernel as NumPy views of the torch tensors' memory and dx is
-  written straight into the tensor handed back to autograd: no copy.  Channels-first tensors
-  go as they are with data_format "NCX"; channels-last ones as their (N, *spatial, C) view with
-  "NXC"; any other strides are read in place too.  The fused layers keep their output y for
-  the backward (as torch's ReLU does) and mask the gradient with it.
+  pass for the fused layers).  In plain eager mode the same native call also updates the
+  running statistics as PyTorch does (its momentum on the batch, the unbiased variance, in
+  float64 rounded once); compiled or under torch.func, the layer updates them with torch ops.
+  The Sync layers run the forward in two phases: the sums and counts all-reduced once (a
+  second time only for channels whose mean lies far from zero), so every rank holds the same
+  bits.
+* One native call per pass: the tensors reach the kernels as they are - their address, sizes
+  and strides, whatever the memory format - and y and dx are written straight into the
+  tensors handed to autograd: no copy, no NumPy view.  The fused layers keep their output y
+  for the backward (as torch's ReLU does) and mask the gradient with it.
 * Parameter gradients are LOCAL (this rank's rows) in the Sync layers, as in
   torch.nn.SyncBatchNorm: DistributedDataParallel averages them with every other parameter.
   dx uses the global sums (one all-reduce of 2*C float64 sums and the count).
 * Eval mode, and float64 input (torch.autograd.gradcheck): torch's own batch norm (and ReLU).
 * Threads: num_threads None follows torch (torch.get_num_threads()) at every call.
-Storage types: x float32, float16 or bfloat16 (bfloat16 needs ml_dtypes); parameters and
-statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not supported.
+Storage types: x float32, float16 or bfloat16 (bfloat16 in the Sync layers needs ml_dtypes);
+parameters and statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not supported.
 """
 from typing import Any, Dict, Optional, Type
 
@@ -97,8 +98,8 @@ def batch_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
         y = torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
         return torch.relu(y) if relu else y
     _check_more_than_one(x)
-    return _torch_ops.train(x, weight, bias, float(eps), bool(relu), "",
-                                           num_threads)[0]
+    return _torch_ops.train(x, weight, bias, None, None, 0.0, float(eps), bool(relu), "",
+                            num_threads)
 
 
 # ---- modules -----------------------------------------------------------------------------
@@ -160,26 +161,31 @@ class BatchNorm(torch.nn.Module):
             return self._torch_forward(x)     # (an empty batch: torch's empty y, as BatchNorm2d)
         if not group:
             _check_more_than_one(x)
-        y, mean, var, count = _torch_ops.train(
-            x, self.weight, self.bias, self.eps, self._relu, group, self.num_threads)
-        if not group:       # else the operator's tensor: every rank's rows
-            count = x.numel() // x.shape[1]
+        running_mean, running_var, factor = None, None, 0.0
         if self.track_running_stats:
-            if _batched(mean):
+            if any(_batched(t) for t in (x, self.weight, self.bias) if t is not None):
                 raise RuntimeError(
                     "vmap over a batch norm that updates its running statistics: they are not "
                     "batched and cannot take one update per entry; make the layer with "
                     "track_running_stats=False (as for torch.nn.BatchNorm2d under vmap)")
+            if self.momentum is not None and not 0.0 <= self.momentum <= 1.0:
+                raise ValueError(f"momentum must be None or in [0, 1], got {self.momentum}")
+            self.num_batches_tracked.add_(1)
+            factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                      else float(self.momentum))
+            running_mean, running_var = self.running_mean, self.running_var
+        if running_mean is not None and running_mean.dtype != torch.float32:
+            # the kernels keep float32 statistics: update float32 copies, then store them back
+            kept = (running_mean, running_var)
+            running_mean, running_var = running_mean.float(), running_var.float()
+            y = _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
+                                 self.eps, self._relu, group, self.num_threads)
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                if self.momentum is None:
-                    factor = 1.0 / float(self.num_batches_tracked)
-                else:
-                    factor = self.momentum
-                self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-                self.running_var.mul_(1 - factor).add_(var * (count / (count - 1)),
-                                                       alpha=factor)
-        return y
+                kept[0].copy_(running_mean)
+                kept[1].copy_(running_var)
+            return y
+        return _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
+                                self.eps, self._relu, group, self.num_threads)
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """torch.nn.BatchNorm2d's forward (plus ReLU in the fused layers)."""

@@ -151,10 +151,14 @@ def test_opcheck(channels_last, relu):
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     w, b = torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)
-    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), 1e-5, relu, "", None)
+    running = (torch.randn(3, generator=g), torch.rand(3, generator=g) + 0.5)
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), *running, 0.1, 1e-5,
+            relu, "", None)
     torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train.default, args)
-    y, mean, var, _ = torch.ops.bnbw_native.batch_norm_train(*(a.detach() if torch.is_tensor(a)
-                                                               else a for a in args))
+    torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train.default,
+                          args[:3] + (None, None) + args[5:])
+    y, mean, var, *_ = torch.ops.bnbw_native.batch_norm_train(*(a.detach() if torch.is_tensor(a)
+                                                                else a for a in args))
     for input_grad in (True, False):
         torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train_backward.default,
                               (torch.randn(y.shape, generator=g), x.detach(), w.detach(),
@@ -172,7 +176,8 @@ def test_operator_autograd_equals_the_layer():
     (layer(x1) * dy).sum().backward()
     w = layer.weight.detach().clone().requires_grad_()
     b = layer.bias.detach().clone().requires_grad_()
-    y = torch.ops.bnbw_native.batch_norm_train(x2, w, b, layer.eps, True, "", None)[0]
+    y = torch.ops.bnbw_native.batch_norm_train(x2, w, b, None, None, 0.0, layer.eps, True, "",
+                                               None)[0]
     (y * dy).sum().backward()
     assert torch.equal(x1.grad, x2.grad)
     assert torch.equal(layer.weight.grad, w.grad) and torch.equal(layer.bias.grad, b.grad)

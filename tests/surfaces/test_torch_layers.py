@@ -13,11 +13,6 @@ torch = pytest.importorskip("torch")
 from bnbw_native import autograd as bag  # noqa: E402  (after the importorskip)
 from bnbw_native import _torch_ops as ops  # noqa: E402
 
-try:
-    import ml_dtypes
-except ImportError:
-    ml_dtypes = None
-
 
 def rel_err(got, ref):
     """max |got - ref| / max |ref|, in float64."""
@@ -137,6 +132,66 @@ def test_options_match_batchnorm2d(kw):
         assert rel_err(ours.running_var, ref64.running_var) <= 1e-6
 
 
+def _within_half_ulp(got, want64):
+    """|got - want| <= half a float32 ulp of want (float64 reference, float32 result)."""
+    want = want64.numpy()
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    return bool(np.all(np.abs(got.double().numpy() - want) <= 0.5 * ulp * (1 + 1e-9)))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None, 0.0, 1.0], ids=["0.1", "cumulative", "0", "1"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+def test_running_statistics_are_pytorchs_update_rounded_once(momentum, channels_last):
+    # (1 - f) * old + f * batch, the variance unbiased, from the exact batch statistics: each
+    # running value within half a float32 ulp of the float64 reference, in place (version
+    # counted), every step
+    g = torch.Generator().manual_seed(11)
+    layer = bag.BatchNorm(5, momentum=momentum)
+    with torch.no_grad():
+        layer.running_mean.copy_(torch.randn(5, generator=g))
+        layer.running_var.copy_(torch.rand(5, generator=g) + 0.5)
+    where = (layer.running_mean.data_ptr(), layer.running_var.data_ptr())
+    for step in range(3):
+        x = torch.randn(7, 5, 3, 4, generator=g) * 3 + 100 * step
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        old = (layer.running_mean.double(), layer.running_var.double())
+        versions = (layer.running_mean._version, layer.running_var._version)
+        layer(x.requires_grad_()).sum().backward()
+        f = momentum if momentum is not None else 1.0 / (step + 1)
+        x64 = x.detach().double()
+        mean = x64.mean(dim=(0, 2, 3))
+        var = x64.var(dim=(0, 2, 3), unbiased=True)
+        assert _within_half_ulp(layer.running_mean, (1 - f) * old[0] + f * mean)
+        assert _within_half_ulp(layer.running_var, (1 - f) * old[1] + f * var)
+        assert layer.running_mean._version > versions[0]
+        assert layer.running_var._version > versions[1]
+        assert int(layer.num_batches_tracked) == step + 1
+    assert (layer.running_mean.data_ptr(), layer.running_var.data_ptr()) == where
+
+
+def test_running_statistics_of_another_dtype_are_updated_through_float32():
+    # a layer made in float16 keeps float16 buffers: the float32 update, stored back
+    ours = bag.BatchNorm(4, dtype=torch.float16)
+    x = (torch.randn(6, 4, 3, 3, generator=torch.Generator().manual_seed(12)) * 2 + 1).half()
+    ours(x)
+    x64 = x.double()
+    want_m = 0.1 * x64.mean(dim=(0, 2, 3))
+    want_v = 0.9 + 0.1 * x64.var(dim=(0, 2, 3), unbiased=True)
+    assert ours.running_mean.dtype == ours.running_var.dtype == torch.float16
+    for got, want in ((ours.running_mean, want_m), (ours.running_var, want_v)):
+        assert bool(((got.double() - want).abs() <= want.abs() * 2.0 ** -11).all())
+
+
+def test_a_momentum_outside_0_1_is_refused_with_the_buffers_untouched():
+    layer = bag.BatchNorm(3, momentum=1.5)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=r"momentum must be None or in \[0, 1\], got 1.5"):
+        layer(torch.randn(4, 3, 2, 2))
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_eval_mode_is_torch_eval():
     x, g = data((6, 3, 5, 5), seed=4)
     ours, ref = pair(3)
@@ -159,31 +214,42 @@ def test_parameters_only_match_the_full_backward():
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCX", "NXC"])
-def test_backward_hands_views_to_the_kernel(monkeypatch, channels_last):
-    seen = {}
-    kernel = ops.batchnorm_training_backward
+def test_each_pass_hands_the_tensors_themselves_to_one_native_call(monkeypatch, channels_last):
+    calls = {"forward": [], "backward": []}
+    for name in calls:
+        native = getattr(ops, name)
 
-    def spy(x, dy, mean, variance, gamma, **kw):
-        seen.update(x=x, dy=dy, out=kw["out"][0], data_format=kw["data_format"])
-        return kernel(x, dy, mean, variance, gamma, **kw)
+        def spy(*args, _native=native, _seen=calls[name], _out=10 if name == "forward" else 9,
+                **kw):
+            # addresses, not the tensors: holding dx would stop autograd taking it as x.grad
+            _seen.append(([a.data_ptr() if torch.is_tensor(a) else a for a in args[:_out]],
+                          [t.data_ptr() for t in args[_out]], kw))
+            return _native(*args, **kw)
 
-    monkeypatch.setattr(ops, "batchnorm_training_backward", spy)
+        monkeypatch.setattr(ops, name, spy)
     x, g = data((4, 8, 6, 5), channels_last=channels_last)
     g = g.contiguous(memory_format=torch.channels_last if channels_last else
                      torch.contiguous_format)
     layer = bag.BatchNorm(8)
     xin = x.clone(memory_format=torch.preserve_format).requires_grad_()
-    layer(xin).backward(g)
-    assert seen["data_format"] == ("NXC" if channels_last else "NCX")
-    assert seen["x"].__array_interface__["data"][0] == xin.data_ptr()
-    assert seen["out"].__array_interface__["data"][0] == xin.grad.data_ptr()
-    assert seen["x"].flags.c_contiguous and seen["out"].flags.c_contiguous
+    y = layer(xin)
+    y.backward(g)
+    assert len(calls["forward"]) == 1 and len(calls["backward"]) == 1
+    (f_args, f_out, f_kw), (b_args, b_out, b_kw) = calls["forward"][0], calls["backward"][0]
+    assert f_kw["tensors"] and f_kw["torch_running"] and b_kw["tensors"]
+    assert f_args[1] == xin.data_ptr()                # x as it is: no view, no copy
+    assert f_args[2] == f_out[1] == layer.running_mean.data_ptr()     # updated in place
+    assert f_args[3] == f_out[2] == layer.running_var.data_ptr()
+    assert f_out[0] == y.data_ptr()                   # y written where autograd gets it
+    assert b_args[2] == xin.data_ptr() and b_args[3] == g.data_ptr()
+    assert b_out[0] == xin.grad.data_ptr()
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else
+                           torch.contiguous_format)
 
 
 @pytest.mark.parametrize("dtype,tol", [
     (torch.float16, 2e-3),
-    pytest.param(torch.bfloat16, 1.6e-2, marks=pytest.mark.skipif(
-        ml_dtypes is None, reason="bfloat16 arrays need ml_dtypes")),
+    (torch.bfloat16, 1.6e-2),       # read in place: no ml_dtypes needed
 ], ids=["f16", "bf16"])
 def test_half_inputs(dtype, tol):
     x, g = data((6, 4, 5, 5), seed=6)
