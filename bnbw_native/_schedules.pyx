@@ -50,7 +50,7 @@ cdef enum:
                           # elements; channel-last items span at most this many channels
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
-    ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance under dynamic load
+    ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance
     COMBINE_CHUNK = 256   # channels per parallel item of the combine
     FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
     STREAM_ROW_MIN = 8192 # bytes: the shortest channel-major dx row written past the caches
@@ -88,6 +88,26 @@ def set_stream_policy(str policy):
     global stream_policy
     previous = {v: k for k, v in STREAM_POLICIES.items()}[stream_policy]
     stream_policy = STREAM_POLICIES[policy]
+    return previous
+
+
+# Threads that pay for themselves: a call takes one thread per this many bytes of the big
+# tensors it reads (x, and dy in the backward), at most the threads it was given.  A parallel
+# region costs ~5-15 us (team wake-up, the barrier at its end; measured on 2-core KVM guests),
+# about what one core takes to read 512 KiB from its L2 twice: below that a second thread
+# costs more than it brings.  Results never change (tests set it to 0, so that small inputs
+# reach every team).
+cdef int64_t thread_work_floor = 512 * 1024
+
+
+def set_thread_work_floor(int64_t nbytes):
+    """Bytes read per thread below which a call runs on fewer threads (0: as many as given,
+    past SERIAL_BELOW elements); returns the previous setting."""
+    global thread_work_floor
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    previous = thread_work_floor
+    thread_work_floor = nbytes
     return previous
 
 
@@ -171,7 +191,7 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil:
     cdef int64_t C = p.channels
-    cdef int64_t budget, most, g
+    cdef int64_t budget, most, g, paid
     cdef bint sums = (op & OP_REDUCE) != 0
     cdef bint dx = (op & OP_DX) != 0
     s.nthreads = nthreads if nthreads > 0 else 1
@@ -199,6 +219,11 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
                             and 3 * 4 * C * p.count > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
+    elif thread_work_floor > 0:
+        paid = (itemsize(p.big_dtype) * C * p.count * (1 if op & OP_FORWARD else 2)
+                // thread_work_floor)
+        if s.nthreads > paid:
+            s.nthreads = <int> paid if paid > 1 else 1
     if p.channel_last:
         _choose_last(p, op, s)
         return
@@ -271,14 +296,17 @@ ctypedef void (*ItemFn)(const Work *w, int64_t i) noexcept nogil
 cdef void run_items(const Work *w, ItemFn item, int64_t n) noexcept nogil:
     """item(w, i) for every i < n.  One thread runs them in this thread: even a one-thread
     OpenMP region costs microseconds, more than a tiny call's work.  Items write disjoint
-    outputs and never depend on the thread that runs them."""
+    outputs and never depend on the thread that runs them.  Threads take fixed runs of items
+    (static): every pass of a call, and the next call, hands a thread the same items, whose
+    data are then still in its core's caches (handed out one by one, they moved between cores
+    at every pass: measured, small calls on 2 threads ran slower than on 1)."""
     cdef int64_t i
     cdef int nt = w.s.nthreads
     if nt <= 1:
         for i in range(n):
             item(w, i)
     else:
-        for i in prange(n, num_threads=nt, schedule='dynamic'):
+        for i in prange(n, num_threads=nt, schedule='static'):
             item(w, i)
 
 

@@ -49,6 +49,14 @@ def set_scratch_poison(on: bool) -> bool:
     return bool(_schedules.set_scratch_poison(on))
 
 
+def set_thread_work_floor(nbytes: int) -> int:
+    """Bytes of x (and dy) a call reads per thread below which it runs on fewer threads than
+    given (the default, 512 KiB, is what a thread's share must bring to pay for its parallel
+    region); 0: every call past the engine's serial floor on the threads it was given.
+    Returns the previous setting."""
+    return int(_schedules.set_thread_work_floor(nbytes))
+
+
 def set_cpu_model(n: int) -> None:
     """Plan as if this process could use n CPUs (0: the machine's own)."""
     _engine.set_cpu_model(n)
@@ -73,4 +81,4 @@ def describe(x: Any, data_format: str, *, formula: str = "training",
 
 __all__ = ["KERNEL_CAPS", "SCHEDULES", "TILE_ELEMENTS", "cache_model", "describe",
            "kernel_body", "set_cache_model", "set_cpu_model", "set_scratch_poison",
-           "set_stream_policy", "use_kernels"]
+           "set_stream_policy", "set_thread_work_floor", "use_kernels"]

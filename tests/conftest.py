@@ -81,11 +81,15 @@ def cpus_beyond_this_machine():
     """A call runs on at most the CPUs the process may use; the tests plan as on a 64-CPU
     machine instead, so that the thread counts they compare (3, 7, 8, ...) run teams of that
     size here too and every schedule meets them.  Tests of the cap itself set the model back
-    (bnbw_native.tuning.set_cpu_model(0))."""
+    (bnbw_native.tuning.set_cpu_model(0)).  Likewise every call past the serial floor runs on
+    the threads it is given, however little it reads (tuning.set_thread_work_floor(0)): small
+    inputs reach every team; tests of that rule set the default back."""
     from bnbw_native import tuning
     tuning.set_cpu_model(64)
+    floor = tuning.set_thread_work_floor(0)
     yield
     tuning.set_cpu_model(0)
+    tuning.set_thread_work_floor(floor)
 
 
 @pytest.fixture

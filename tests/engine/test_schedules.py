@@ -258,3 +258,39 @@ def test_the_tuning_module_drives_the_knobs_it_names(cache_model):
     assert tuning.set_stream_policy(before) == "never"
     assert tuning.set_scratch_poison(tuning.set_scratch_poison(True)) is True
     assert tuning.TILE_ELEMENTS == 2048 and set(tuning.KERNEL_CAPS) >= {"portable"}
+
+
+@pytest.fixture
+def thread_rule():
+    """The default thread rule (the session runs with the floor at 0)."""
+    previous = tuning.set_thread_work_floor(512 * 1024)
+    yield
+    tuning.set_thread_work_floor(previous)
+
+
+@pytest.mark.parametrize("formula, arrays", [("training", 2), ("forward", 1)])
+@pytest.mark.parametrize("data_format", ["NXC", "NCX"])
+@pytest.mark.parametrize("elements", [65536, 131072, 262144 - 64, 262144, 1 << 20])
+def test_a_call_takes_one_thread_per_512_kib_it_reads(thread_rule, formula, arrays, data_format,
+                                                     elements):
+    # x (and dy) bytes // 512 KiB threads, at most those given, at least one; on both sides
+    # of each step
+    shape = (elements // 64, 64) if data_format == "NXC" else (elements // 64, 64, 1)
+    paid = max(1, 4 * elements * arrays // (512 * 1024))
+    for given in (1, 2, 3, 8):
+        facts = tuning.describe(np.zeros(shape, np.float32), data_format, formula=formula,
+                                num_threads=given)
+        assert facts["threads"] == min(given, paid, facts["items"]), (given, facts)
+
+
+def test_the_thread_rule_counts_bytes_not_elements(thread_rule):
+    # float16 halves the bytes of the same elements: half the threads
+    shape = (8192, 64)
+    f32 = tuning.describe(np.zeros(shape, np.float32), "NXC", num_threads=8)
+    f16 = tuning.describe(np.zeros(shape, np.float16), "NXC", num_threads=8)
+    assert (f32["threads"], f16["threads"]) == (8, 4)
+
+
+def test_the_thread_floor_is_refused_below_zero():
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        tuning.set_thread_work_floor(-1)
