@@ -122,6 +122,9 @@ def parser():
                         "(bench/torch_layers.py), on --threads")
     p.add_argument("--layers-only", action="store_true",
                    help="time the layer rows alone (no probes, kernel rows, overhead, memory)")
+    p.add_argument("--layer-shapes", default="default",
+                   help="the layer rows' shapes: comma list of sets (" +
+                        ", ".join(torch_layers.SHAPE_SETS) + ")")
     p.add_argument("--json", default=os.path.join(BENCH_DIR, "results", "latest.json"),
                    help="where the rows and the machine's description are written "
                         "(default: %(default)s)")
@@ -188,7 +191,16 @@ def traffic_model():
             "strided_factor": 2}
 
 
-def run_layers(threads, protocol, echo=print):
+def layer_shapes(text):
+    """The layer rows' shapes of a comma list of torch_layers.SHAPE_SETS names."""
+    shapes = []
+    for name in parse_list(text, tuple(torch_layers.SHAPE_SETS), "layer shape set"):
+        chosen = getattr(torch_layers, torch_layers.SHAPE_SETS[name])
+        shapes += [s for s in chosen if s not in shapes]
+    return shapes
+
+
+def run_layers(threads, protocol, shapes=None, echo=print):
     """The layer rows (bench/torch_layers.py), printed as they come; [] with a note on stderr
     when torch is not importable."""
     if torch_layers.torch is None:
@@ -202,7 +214,8 @@ def run_layers(threads, protocol, echo=print):
           f"bench/torch_cache.cpp while they are timed: "
           f"{'reused blocks' if torch_cache.load() is not None else 'absent, torch own: ' + str(torch_cache.why_absent)})")
     echo(torch_layers.HEADER)
-    return torch_layers.layer_rows(torch_layers.SHAPES, threads, protocol,
+    return torch_layers.layer_rows(torch_layers.SHAPES if shapes is None else shapes, threads,
+                                   protocol,
                                    echo=lambda row: echo(torch_layers.format_row(row)))
 
 
@@ -330,7 +343,7 @@ def main(argv=None):
     if args.layers:
         t0 = perf_counter()
         try:
-            layers = run_layers(threads, protocol)
+            layers = run_layers(threads, protocol, layer_shapes(args.layer_shapes))
         except CheckFailed as exc:
             print(f"\nLAYER CHECK FAILED: {exc}", file=sys.stderr)
             write_json({"machine": info, "failure": str(exc),
@@ -371,7 +384,7 @@ def layers_only(args, protocol, threads, wall0):
     sections = {"setup": perf_counter() - wall0}
     t0 = perf_counter()
     try:
-        layers = run_layers(threads, protocol)
+        layers = run_layers(threads, protocol, layer_shapes(args.layer_shapes))
     except CheckFailed as exc:
         print(f"\nLAYER CHECK FAILED: {exc}", file=sys.stderr)
         write_json({"machine": info, "failure": str(exc)}, args.json)

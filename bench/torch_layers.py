@@ -39,6 +39,12 @@ except ImportError:      # the layer rows need torch
 
 SHAPES = ((32, 64, 56, 56), (32, 256, 14, 14))    # ResNet-50's conv2 and conv4 batch norms
 QUICK_SHAPES = ((8, 16, 10, 10),)
+# ResNet-18's batch norms at batch 32 on 64 x 64 images, stage by stage: where a layer's fixed
+# cost shows
+RESNET18_64PX = ((32, 64, 32, 32), (32, 64, 16, 16), (32, 128, 8, 8), (32, 256, 4, 4),
+                 (32, 512, 2, 2))
+# --layer-shapes names: the module attribute each one reads when the rows run
+SHAPE_SETS = {"default": "SHAPES", "quick": "QUICK_SHAPES", "resnet18-64px": "RESNET18_64PX"}
 FORMATS = ("NCHW", "channels-last")
 # (name, our layer class, torch's ReLU after its BatchNorm2d: None, "ReLU" or "ReLU/inplace")
 PAIRS = (("BatchNorm", "BatchNorm", None),
