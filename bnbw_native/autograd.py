@@ -29,6 +29,7 @@ Design:
 Storage types: x float32, float16 or bfloat16 (bfloat16 in the Sync layers needs ml_dtypes);
 parameters and statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not supported.
 """
+import warnings
 from typing import Any, Dict, Optional, Type
 
 try:
@@ -273,10 +274,131 @@ def _replacement(module: Any, relu: bool, sync: bool, process_group: Any,
     return new
 
 
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether anything watches `module` through a hook (module or parameter hooks)."""
+    return any(getattr(module, name, None) for name in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+        "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks"))
+
+
 def _fusable_relu(module: torch.nn.Module) -> bool:
     """A plain torch.nn.ReLU (inplace or not) that nothing else observes."""
-    return (type(module) is torch.nn.ReLU and not module._forward_hooks
-            and not module._forward_pre_hooks and not module._backward_hooks)
+    return type(module) is torch.nn.ReLU and not _hooked(module)
+
+
+def _convertible(module: torch.nn.Module, name: str) -> bool:
+    """Whether a batch norm can be replaced: refuses an uninitialised lazy one; leaves one
+    with hooks as it is (our layer would not call them), with a warning."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        raise ValueError(f"{name or 'the module'} is a {type(module).__name__} whose "
+                         "num_features is not known yet: run one forward pass first (it then "
+                         "becomes a BatchNorm*d), then convert")
+    if _hooked(module):
+        warnings.warn(f"convert_batchnorm: {name or 'the module'} ({type(module).__name__}) "
+                      "has hooks, which the converted layer would not call: left as it is",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
+def _convert_tree(module: torch.nn.Module, sync: bool, process_group: Any,
+                  num_threads: Optional[int], fuse_relu: bool, prefix: str = "") -> None:
+    """convert_batchnorm's module rule, in place below `module`: every batch norm becomes ours;
+    with fuse_relu, inside every nn.Sequential a batch norm followed by a plain ReLU becomes the
+    ReLU layer and the ReLU nn.Identity()."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    children = list(module.named_children())
+    fuse = fuse_relu and isinstance(module, torch.nn.Sequential)
+    skip = set()
+    for i, (name, child) in enumerate(children):
+        if name in skip:
+            continue
+        path = prefix + name
+        is_bn = isinstance(child, (_BatchNorm, BatchNorm))
+        if is_bn and not _convertible(child, path):
+            continue
+        relu = (fuse and is_bn and not getattr(child, "_relu", False)
+                and i + 1 < len(children) and _fusable_relu(children[i + 1][1]))
+        if isinstance(child, _BatchNorm) or (isinstance(child, BatchNorm) and relu):
+            module.add_module(name, _replacement(child, relu, sync, process_group,
+                                                 num_threads))
+        else:
+            _convert_tree(child, sync, process_group, num_threads, fuse_relu, path + ".")
+        if relu:
+            next_name = children[i + 1][0]
+            module.add_module(next_name, torch.nn.Identity())
+            skip.add(next_name)
+
+
+_RELU_FUNCTIONS = (torch.relu, torch.relu_, torch.nn.functional.relu)
+
+
+def _relu_of(node: Any, source: Any, modules: Dict[str, torch.nn.Module]) -> bool:
+    """Whether graph node `node` is a ReLU of `source` alone: torch.relu, torch.relu_,
+    F.relu (inplace or not), x.relu(), x.relu_() or a plain nn.ReLU module."""
+    if not node.args or node.args[0] is not source or len(node.args) > 2:
+        return False
+    if node.op == "call_function":
+        return node.target in _RELU_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in ("relu", "relu_") and len(node.args) == 1
+    if node.op == "call_module":
+        return _fusable_relu(modules[node.target]) and len(node.args) == 1
+    return False
+
+
+def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
+                   num_threads: Optional[int]) -> Optional[torch.nn.Module]:
+    """The model's forward traced by torch.fx, each batch norm whose output goes only to a ReLU
+    made the ReLU layer and the ReLU dropped from the graph.  None when there is nothing to
+    fuse; the module itself, with a warning, when it cannot be traced or the traced module
+    would not keep its state-dict keys."""
+    import torch.fx
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+            return isinstance(m, BatchNorm) or super().is_leaf_module(m, qualname)
+
+    name = type(module).__name__
+    try:
+        graph = Tracer().trace(module)
+    except Exception as exc:  # any failure to trace: data-dependent control flow, ...
+        warnings.warn(f"convert_batchnorm(fuse_relu=True): {name}'s forward cannot be traced "
+                      f"by torch.fx ({type(exc).__name__}: {exc}); only batch norms followed "
+                      "by a ReLU inside nn.Sequential were fused", RuntimeWarning, stacklevel=3)
+        return module
+    gm = torch.fx.GraphModule(module, graph, name)
+    modules = dict(gm.named_modules())
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        bn = modules[node.target]
+        if not isinstance(bn, BatchNorm) or bn._relu or len(node.users) != 1:
+            continue
+        (relu,) = node.users
+        if not _relu_of(relu, node, modules):
+            continue
+        parent, _, leaf = node.target.rpartition(".")
+        gm.get_submodule(parent).add_module(
+            leaf, _replacement(bn, True, sync, process_group, num_threads))
+        relu.replace_all_uses_with(node)
+        gm.graph.erase_node(relu)
+        fused += 1
+    if not fused:
+        return None
+    if list(gm.state_dict()) != list(module.state_dict()):
+        warnings.warn(f"convert_batchnorm(fuse_relu=True): the traced {name} would not keep "
+                      "every state-dict key (a part its forward never calls); only batch "
+                      "norms followed by a ReLU inside nn.Sequential were fused",
+                      RuntimeWarning, stacklevel=3)
+        return module
+    gm.graph.lint()
+    gm.recompile()
+    gm.train(module.training)
+    return gm
 
 
 def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_group: Any = None,
@@ -285,36 +407,32 @@ def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_gr
     """Replace every torch.nn BatchNorm1d/2d/3d/SyncBatchNorm inside `module` by BatchNorm
     (SyncBatchNorm when sync), keeping parameters, buffers and train/eval mode.
 
-    fuse_relu: inside every nn.Sequential, a batch norm immediately followed by a torch.nn.ReLU
-    (inplace or not) becomes BatchNormReLU (SyncBatchNormReLU when sync) and the ReLU becomes
-    nn.Identity(), so the Sequential keeps its indices and state_dict keys.  Layers already
-    converted (BatchNorm) followed by a ReLU are fused too.  A ReLU with hooks is left alone.
-    Returns `module` (converted in place), or the new layer when `module` is a batch norm.
+    fuse_relu: every batch norm whose output goes to a ReLU alone becomes BatchNormReLU
+    (SyncBatchNormReLU when sync), wherever the model computes it:
+    * inside every nn.Sequential, a batch norm immediately followed by a torch.nn.ReLU
+      (inplace or not) becomes the ReLU layer and the ReLU nn.Identity(), so the Sequential
+      keeps its indices and state_dict keys;
+    * in the model's forward (torch.relu, F.relu, x.relu_(), an nn.ReLU called there, inplace
+      or not), found by tracing the forward with torch.fx: the model then comes back as a
+      torch.fx.GraphModule with the same submodules, parameters, buffers and state_dict keys,
+      whose forward no longer calls those ReLUs.  A model torch.fx cannot trace keeps the
+      Sequential rule alone, with a RuntimeWarning that says so.
+    Layers already converted (BatchNorm) followed by a ReLU are fused too.  A ReLU with hooks is
+    left alone; a batch norm with hooks is left unconverted, with a RuntimeWarning; an
+    uninitialised LazyBatchNorm*d is refused (ValueError: run one forward first).
+    Returns the converted model: `module` (converted in place), the GraphModule, or the new
+    layer when `module` is a batch norm.
     """
     from torch.nn.modules.batchnorm import _BatchNorm
-    batch_norms = (_BatchNorm, BatchNorm)
-
-    def convert(child: torch.nn.Module, relu: bool) -> torch.nn.Module:
-        if isinstance(child, _BatchNorm) or (isinstance(child, BatchNorm) and relu):
-            return _replacement(child, relu, sync, process_group, num_threads)
-        return convert_batchnorm(child, sync=sync, process_group=process_group,
-                                 num_threads=num_threads, fuse_relu=fuse_relu)
-
-    if isinstance(module, _BatchNorm):
-        return convert(module, False)
-    children = list(module.named_children())
-    fuse = fuse_relu and isinstance(module, torch.nn.Sequential)
-    skip = set()
-    for i, (name, child) in enumerate(children):
-        if name in skip:
-            continue
-        relu = (fuse and isinstance(child, batch_norms) and not getattr(child, "_relu", False)
-                and i + 1 < len(children) and _fusable_relu(children[i + 1][1]))
-        module.add_module(name, convert(child, relu))
-        if relu:
-            next_name = children[i + 1][0]
-            module.add_module(next_name, torch.nn.Identity())
-            skip.add(next_name)
+    if isinstance(module, (_BatchNorm, BatchNorm)):
+        if not _convertible(module, ""):
+            return module
+        if isinstance(module, _BatchNorm):
+            return _replacement(module, False, sync, process_group, num_threads)
+        return module
+    _convert_tree(module, sync, process_group, num_threads, fuse_relu)
+    if fuse_relu:
+        return _fuse_in_graph(module, sync, process_group, num_threads) or module
     return module
 
 

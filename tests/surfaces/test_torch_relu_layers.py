@@ -8,6 +8,7 @@ test_refusals.py.
 import copy
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -372,3 +373,159 @@ def test_sync_batchnorm_relu_compiles_to_the_same_bits(three_ranks):
     # compiled and eager results bit for bit
     _, ranks = three_ranks
     assert all(bool(res["compiled_equal"]) for res in ranks)
+
+
+# ---- fusing what a model's forward computes (torch.fx) ---------------------------------------
+
+class BasicBlock(torch.nn.Module):
+    """torchvision's BasicBlock: one nn.ReLU module called twice in forward, after bn1 and
+    after the residual add."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(channels)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.conv2 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class SmallResNet(torch.nn.Module):
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.layer = torch.nn.Sequential(BasicBlock(8), BasicBlock(8))
+        self.head_bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = torch.nn.functional.relu(self.bn(self.conv(x)))
+        x = self.layer(x)
+        y = self.head_bn(x)
+        x = y + y.relu()                  # used twice: not fusable
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def _step(net, x):
+    x = x.clone(memory_format=torch.preserve_format).requires_grad_()
+    net.zero_grad(set_to_none=True)
+    y = net(x)
+    y.square().sum().backward()
+    return [y, x.grad] + [p.grad for p in net.parameters()]
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["NCHW", "channels_last"])
+def test_convert_fuses_the_relus_a_forward_calls(memory_format):
+    ref = SmallResNet().to(memory_format=memory_format)
+    unfused = bag.convert_batchnorm(copy.deepcopy(ref))
+    net = bag.convert_batchnorm(copy.deepcopy(ref), fuse_relu=True)
+    assert isinstance(net, torch.fx.GraphModule)
+    kinds = {name: type(m) for name, m in net.named_modules()
+             if isinstance(m, bag.BatchNorm)}
+    assert kinds == {"bn": bag.BatchNormReLU, "layer.0.bn1": bag.BatchNormReLU,
+                     "layer.0.bn2": bag.BatchNorm, "layer.1.bn1": bag.BatchNormReLU,
+                     "layer.1.bn2": bag.BatchNorm, "head_bn": bag.BatchNorm}
+    assert list(net.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in ref.state_dict().items())
+    called = [n for n in net.graph.nodes if n.op == "call_module"]
+    assert sum(n.target == "layer.0.relu" for n in called) == 1    # the residual ReLU stays
+    # fused, the same bits as our unfused layers and torch's ReLUs; both near float64 torch
+    x = data((6, 3, 7, 7), seed=13, memory_format=memory_format)[0]
+    got, want = _step(net, x), _step(unfused, x)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    ref64 = copy.deepcopy(ref).double()
+    exact = _step(ref64, x.double())
+    assert rel_err(got[1], exact[1]) <= 1e-5
+    for name in ("running_mean", "running_var"):
+        assert rel_err(getattr(net.bn, name), getattr(ref64.bn, name)) <= 1e-6
+
+
+@pytest.mark.parametrize("spelling", [
+    lambda y: torch.nn.functional.relu(y), lambda y: torch.nn.functional.relu(y, inplace=True),
+    lambda y: torch.relu(y), lambda y: torch.relu_(y), lambda y: y.relu(),
+    lambda y: y.relu_(), torch.nn.ReLU(), torch.nn.ReLU(inplace=True)],
+    ids=["F.relu", "F.relu-inplace", "torch.relu", "torch.relu_", "relu", "relu_",
+         "nn.ReLU", "nn.ReLU-inplace"])
+def test_every_spelling_of_relu_fuses(spelling):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.act = spelling if isinstance(spelling, torch.nn.Module) else None
+
+        def forward(self, x):
+            return (self.act or spelling)(self.bn(x)) * 2
+
+    net = bag.convert_batchnorm(Net(), fuse_relu=True)
+    assert type(net.bn) is bag.BatchNormReLU
+    assert [n.op for n in net.graph.nodes] == ["placeholder", "call_module", "call_function",
+                                               "output"]
+    x = torch.randn(5, 4, 3, 3)
+    assert torch.equal(net(x), bag.convert_batchnorm(Net())(x))    # our bn, then the ReLU
+
+
+def test_a_batch_norm_whose_output_is_used_elsewhere_is_not_fused():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            y = self.bn(x)
+            return torch.relu(y) + y
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = bag.convert_batchnorm(Net(), fuse_relu=True)
+    assert type(net) is Net and type(net.bn) is bag.BatchNorm
+
+
+def test_an_untraceable_forward_keeps_the_sequential_rule_and_says_so():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.ReLU())
+            self.bn = torch.nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            if x.sum() > 0:               # data-dependent: torch.fx cannot trace it
+                x = x * 2
+            return torch.relu(self.bn(self.seq(x)))
+
+    with pytest.warns(RuntimeWarning, match="cannot be traced by torch.fx"):
+        net = bag.convert_batchnorm(Net(), fuse_relu=True)
+    assert type(net) is Net
+    assert type(net.seq[0]) is bag.BatchNormReLU and type(net.seq[1]) is torch.nn.Identity
+    assert type(net.bn) is bag.BatchNorm
+
+
+def test_a_batch_norm_with_hooks_is_left_as_it_is():
+    seen = []
+    net = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.ReLU(), torch.nn.BatchNorm2d(3))
+    net[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with pytest.warns(RuntimeWarning, match=r"0 \(BatchNorm2d\) has hooks"):
+        net = bag.convert_batchnorm(net, fuse_relu=True)
+    assert type(net[0]) is torch.nn.BatchNorm2d and type(net[1]) is torch.nn.ReLU
+    assert type(net[2]) is bag.BatchNorm
+    net(torch.randn(4, 3, 2, 2))
+    assert seen == [(4, 3, 2, 2)]
+
+
+def test_a_lazy_batch_norm_converts_once_it_knows_its_channels():
+    net = torch.nn.Sequential(torch.nn.LazyBatchNorm2d(), torch.nn.ReLU())
+    with pytest.raises(ValueError, match="num_features is not known yet: run one forward"):
+        bag.convert_batchnorm(net)
+    net(torch.randn(4, 5, 2, 2))
+    net = bag.convert_batchnorm(net, fuse_relu=True)
+    assert type(net[0]) is bag.BatchNormReLU and net[0].num_features == 5
