@@ -256,6 +256,14 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
     input_grad.  The parameter gradients are this rank's (float32, whatever weight's type).
     With relu_out (the layer's output), the engine masks the gradient with it in both
     passes.  Without a group: one native call on the tensors' own memory."""
+    return _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads,
+                          input_grad)
+
+
+def _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
+                   residual_grad=None):
+    """backward_impl; with residual_grad (a tensor like grad_y; no group) the masked gradient
+    - the gradient of a residual added before the ReLU - is written there too."""
     channels = x.shape[1]
     gamma = _f32(weight)
     nt = threads(num_threads)
@@ -265,11 +273,13 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
         # parameters only: the sums and their coefficients, no dx pass
         backward(TWO_PHASE, PARAMS, x, grad_y, mean, var, gamma, eps, "NCX", (dgamma, dbeta),
                  nt, relu_dst=relu_out, tensors=True)
+        if residual_grad is not None:       # dy where y > 0, else +0, as the kernel writes it
+            torch.where(relu_out > 0, grad_y, grad_y.new_zeros(()), out=residual_grad)
         return x.new_empty(0), dgamma, dbeta
     dx = torch.empty_like(x)
     if not group:
         backward(GRAPH, TRAINING, x, grad_y, mean, var, gamma, eps, "NCX", (dx, dgamma, dbeta),
-                 nt, relu_dst=relu_out, tensors=True)
+                 nt, relu_dst=relu_out, diff_residual=residual_grad, tensors=True)
         return dx, dgamma, dbeta
     from .distributed import _torch_sync
     perm, data_format = channel_order(x)
@@ -370,36 +380,57 @@ class BatchNormTrain(torch.autograd.Function):
 
 class EagerLayerStep(torch.autograd.Function):
     """batch_norm_train in plain eager mode, without the dispatcher and the custom-op
-    wrappers: y is the only output, the statistics stay in the context."""
+    wrappers: y is the only output, the statistics stay in the context.  With a residual
+    (relu, no group): y = max(bn(x) + residual, 0), and the backward writes the residual's
+    gradient (the masked one) in the same pass as dx."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running, factor, eps, relu, group, num_threads):
-        y, mean, var, _ = _forward(x, weight, bias, running, factor, eps, relu, group,
-                                   num_threads, running)
+    def forward(ctx, x, weight, bias, residual, running, factor, eps, relu, group, num_threads):
+        y, mean, var, _ = _forward(x, weight, bias, running, factor, eps,
+                                   relu and residual is None, group, num_threads, running)
         if running is not None and not group:    # written by the kernel, as by torch's op
             torch.autograd.graph.increment_version(running)
+        if residual is not None:
+            y.add_(residual).relu_()
         ctx.save_for_backward(x, weight, y if relu else None)
         ctx.stats = (mean, var)
         ctx.eps, ctx.group, ctx.num_threads = eps, group, num_threads
         ctx.param_types = (None if weight is None else weight.dtype,
                            None if bias is None else bias.dtype)
+        ctx.residual = residual is not None
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        return _grads(ctx, grad_y, backward_impl, ctx.stats)
+        if not ctx.residual:
+            return _grads(ctx, grad_y, _backward_pass, ctx.stats)
+        x, weight, y = ctx.saved_tensors
+        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+        if not (need_x or need_w or need_b or need_r):
+            return (None,) * 10
+        d_res = torch.empty_like(grad_y)
+        dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, *ctx.stats, y, ctx.eps, "",
+                                           ctx.num_threads, need_x, d_res)
+        w_type, b_type = ctx.param_types
+        return ((dx if need_x else None, dgamma.to(w_type) if need_w else None,
+                 dbeta.to(b_type) if need_b else None, d_res if need_r else None)
+                + (None,) * 6)
 
 
-def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads):
+def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
+          residual=None):
     """y of batch_norm_train with its autograd formula, the running statistics updated in
     place: EagerLayerStep in plain eager mode; else the operator (the graph holds it when
     compiling), through BatchNormTrain under torch.func transforms, its new running
-    statistics then stored."""
+    statistics then stored.  A residual (with relu): y = max(bn(x) + residual, 0), in one
+    backward pass in eager mode, as torch ops around the operator otherwise."""
     if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
-        return EagerLayerStep.apply(x, weight, bias, _running(running_mean, running_var),
-                                    factor, eps, relu, group, num_threads)
-    args = (x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads)
+        return EagerLayerStep.apply(x, weight, bias, residual,
+                                    _running(running_mean, running_var), factor, eps, relu,
+                                    group, num_threads)
+    args = (x, weight, bias, running_mean, running_var, factor, eps,
+            relu and residual is None, group, num_threads)
     if torch.compiler.is_compiling():
         y, _, _, _, new_mean, new_var = torch.ops.bnbw_native.batch_norm_train(*args)
     else:
@@ -408,4 +439,4 @@ def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, 
         with torch.no_grad():
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)
-    return y
+    return y if residual is None else torch.relu(y + residual)

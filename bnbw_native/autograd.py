@@ -1,7 +1,8 @@
 """PyTorch layers whose training backward runs the bnbw_native kernels.
 
-    from bnbw_native.autograd import (BatchNorm, BatchNormReLU, SyncBatchNorm,
-                                      SyncBatchNormReLU, batch_norm, convert_batchnorm)
+    from bnbw_native.autograd import (BatchNorm, BatchNormReLU, BatchNormAddReLU,
+                                      SyncBatchNorm, SyncBatchNormReLU, batch_norm,
+                                      convert_batchnorm)
 
 Design:
 * The work is done by two PyTorch custom operators (bnbw_native._torch_ops):
@@ -29,6 +30,7 @@ Design:
 Storage types: x float32, float16 or bfloat16 (bfloat16 in the Sync layers needs ml_dtypes);
 parameters and statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not supported.
 """
+import operator
 import warnings
 from typing import Any, Dict, Optional, Type
 
@@ -156,12 +158,27 @@ class BatchNorm(torch.nn.Module):
         return ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._train_or_eval(x, None)
+
+    def _train_or_eval(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """The layer's y; with a residual (the add layer): max(bn(x) + residual, 0)."""
         _check_input(x, self.num_features)
         group = self._group_key()
         if x.dtype == torch.float64 or not self.training or (x.numel() == 0 and not group):
-            return self._torch_forward(x)     # (an empty batch: torch's empty y, as BatchNorm2d)
+            if residual is None:    # (an empty batch: torch's empty y, as BatchNorm2d)
+                return self._torch_forward(x, self._relu)
+            return torch.relu(self._torch_forward(x, False) + residual)
         if not group:
             _check_more_than_one(x)
+        if residual is not None and (group or not isinstance(residual, torch.Tensor)
+                                     or residual.shape != x.shape
+                                     or residual.dtype != x.dtype):
+            # not the add the layer fuses (broadcast, another type, a group): as written
+            return torch.relu(self._train(x, group, False, None) + residual)
+        return self._train(x, group, self._relu, residual)
+
+    def _train(self, x: torch.Tensor, group: str, relu: bool,
+               residual: Optional[torch.Tensor]) -> torch.Tensor:
         running_mean, running_var, factor = None, None, 0.0
         if self.track_running_stats:
             if any(_batched(t) for t in (x, self.weight, self.bias) if t is not None):
@@ -180,16 +197,16 @@ class BatchNorm(torch.nn.Module):
             kept = (running_mean, running_var)
             running_mean, running_var = running_mean.float(), running_var.float()
             y = _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
-                                 self.eps, self._relu, group, self.num_threads)
+                                 self.eps, relu, group, self.num_threads, residual)
             with torch.no_grad():
                 kept[0].copy_(running_mean)
                 kept[1].copy_(running_var)
             return y
         return _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
-                                self.eps, self._relu, group, self.num_threads)
+                                self.eps, relu, group, self.num_threads, residual)
 
-    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """torch.nn.BatchNorm2d's forward (plus ReLU in the fused layers)."""
+    def _torch_forward(self, x: torch.Tensor, relu: bool) -> torch.Tensor:
+        """torch.nn.BatchNorm2d's forward (then ReLU when relu)."""
         if x.dtype == torch.float64:
             if self._group_key():
                 raise TypeError("input must be float32, float16 or bfloat16 in a process "
@@ -205,7 +222,7 @@ class BatchNorm(torch.nn.Module):
         y = torch.nn.functional.batch_norm(
             x, self.running_mean, self.running_var, self.weight, self.bias,
             self.training or self.running_mean is None, factor, self.eps)
-        return torch.relu_(y) if self._relu else y
+        return torch.relu_(y) if relu else y
 
 
 class BatchNormReLU(BatchNorm):
@@ -213,6 +230,21 @@ class BatchNormReLU(BatchNorm):
     gradient with y.  The parameters, buffers and state_dict keys of torch.nn.BatchNorm2d."""
 
     _relu = True
+
+
+class BatchNormAddReLU(BatchNorm):
+    """y = max(bn(x) + residual, 0): a batch norm, the residual add after it and the ReLU,
+    as a residual block ends (torchvision's `out = bn2(...); out += identity; relu(out)`),
+    in one layer called as layer(x, residual).  Its backward masks the gradient with y and
+    writes the residual's gradient in the same pass as x's.  The parameters, buffers and
+    state_dict keys of torch.nn.BatchNorm2d.  A residual that is not x's shape and type
+    (broadcast) is added as written, after the batch norm."""
+
+    _relu = True
+
+    def forward(self, x: torch.Tensor,  # type: ignore[override]
+                residual: torch.Tensor) -> torch.Tensor:
+        return self._train_or_eval(x, residual)
 
 
 class SyncBatchNorm(BatchNorm):
@@ -250,11 +282,14 @@ class SyncBatchNormReLU(SyncBatchNorm):
 
 
 def _replacement(module: Any, relu: bool, sync: bool, process_group: Any,
-                 num_threads: Optional[int]) -> "BatchNorm":
-    """Our layer for a torch (or our) batch norm, sharing its parameters and buffers."""
+                 num_threads: Optional[int], add: bool = False) -> "BatchNorm":
+    """Our layer for a torch (or our) batch norm, sharing its parameters and buffers
+    (BatchNormAddReLU when add)."""
     cls: Type[BatchNorm]
     kw: Dict[str, Any] = {}
-    if sync:
+    if add:
+        cls = BatchNormAddReLU
+    elif sync:
         cls = SyncBatchNormReLU if relu else SyncBatchNorm
         kw["process_group"] = process_group
     else:
@@ -349,6 +384,21 @@ def _relu_of(node: Any, source: Any, modules: Dict[str, torch.nn.Module]) -> boo
     return False
 
 
+def _residual_add(node: Any, source: Any) -> Any:
+    """The other operand when graph node `node` is source + other (operator.add - what
+    `out += identity` traces to -, torch.add, x.add(_)) with nothing else, else None."""
+    if node.kwargs or len(node.args) != 2 or source not in node.args:
+        return None
+    other = node.args[1] if node.args[0] is source else node.args[0]
+    if other is source or not isinstance(other, torch.fx.Node):
+        return None
+    if node.op == "call_function" and node.target in (operator.add, operator.iadd, torch.add):
+        return other
+    if node.op == "call_method" and node.target in ("add", "add_") and node.args[0] is source:
+        return other
+    return None
+
+
 def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
                    num_threads: Optional[int]) -> Optional[torch.nn.Module]:
     """The model's forward traced by torch.fx, each batch norm whose output goes only to a ReLU
@@ -376,16 +426,32 @@ def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
         if node.op != "call_module":
             continue
         bn = modules[node.target]
-        if not isinstance(bn, BatchNorm) or bn._relu or len(node.users) != 1:
+        if (not isinstance(bn, BatchNorm) or bn._relu or len(node.users) != 1
+                or len(node.args) != 1 or node.kwargs):
             continue
-        (relu,) = node.users
-        if not _relu_of(relu, node, modules):
-            continue
+        (after,) = node.users
         parent, _, leaf = node.target.rpartition(".")
+        if _relu_of(after, node, modules):
+            gm.get_submodule(parent).add_module(
+                leaf, _replacement(bn, True, sync, process_group, num_threads))
+            after.replace_all_uses_with(node)
+            gm.graph.erase_node(after)
+            fused += 1
+            continue
+        other = None if sync else _residual_add(after, node)
+        if other is None or len(after.users) != 1:
+            continue
+        (relu,) = after.users
+        if not _relu_of(relu, after, modules):
+            continue
+        # bn -> + residual -> ReLU: one BatchNormAddReLU call, layer(x, residual)
         gm.get_submodule(parent).add_module(
-            leaf, _replacement(bn, True, sync, process_group, num_threads))
-        relu.replace_all_uses_with(node)
-        gm.graph.erase_node(relu)
+            leaf, _replacement(bn, True, sync, process_group, num_threads, add=True))
+        with gm.graph.inserting_before(after):
+            fused_node = gm.graph.call_module(node.target, (node.args[0], other))
+        relu.replace_all_uses_with(fused_node)
+        for dead in (relu, after, node):
+            gm.graph.erase_node(dead)
         fused += 1
     if not fused:
         return None
@@ -413,10 +479,13 @@ def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_gr
       (inplace or not) becomes the ReLU layer and the ReLU nn.Identity(), so the Sequential
       keeps its indices and state_dict keys;
     * in the model's forward (torch.relu, F.relu, x.relu_(), an nn.ReLU called there, inplace
-      or not), found by tracing the forward with torch.fx: the model then comes back as a
-      torch.fx.GraphModule with the same submodules, parameters, buffers and state_dict keys,
-      whose forward no longer calls those ReLUs.  A model torch.fx cannot trace keeps the
-      Sequential rule alone, with a RuntimeWarning that says so.
+      or not), found by tracing the forward with torch.fx; and a batch norm whose output goes
+      only to an add whose sum goes only to a ReLU - a residual block's `out = bn(...);
+      out += identity; relu(out)` - becomes BatchNormAddReLU, called as layer(x, identity)
+      (not with sync).  The model then comes back as a torch.fx.GraphModule with the same
+      submodules, parameters, buffers and state_dict keys, whose forward no longer calls
+      those adds and ReLUs.  A model torch.fx cannot trace keeps the Sequential rule alone,
+      with a RuntimeWarning that says so.
     Layers already converted (BatchNorm) followed by a ReLU are fused too.  A ReLU with hooks is
     left alone; a batch norm with hooks is left unconverted, with a RuntimeWarning; an
     uninitialised LazyBatchNorm*d is refused (ValueError: run one forward first).
@@ -436,5 +505,5 @@ def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_gr
     return module
 
 
-__all__ = ["BatchNorm", "BatchNormReLU", "SyncBatchNorm", "SyncBatchNormReLU", "batch_norm",
-           "convert_batchnorm"]
+__all__ = ["BatchNorm", "BatchNormAddReLU", "BatchNormReLU", "SyncBatchNorm",
+           "SyncBatchNormReLU", "batch_norm", "convert_batchnorm"]

@@ -79,6 +79,39 @@ def test_aot_eager_runs_the_operators_and_equals_eager(fuse_relu):
     assert graphs["backward"].count("bnbw_native.batch_norm_train_backward.default") == 2
 
 
+class Block(torch.nn.Module):
+    """A residual block as torchvision writes it: ReLU called in forward, `out += x`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(4)
+        self.bn2 = torch.nn.BatchNorm2d(4)
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv(x)))
+        out = self.bn2(self.conv(out))
+        out += x
+        return self.relu(out).mean(dim=(2, 3))
+
+
+def test_aot_eager_of_a_model_fused_in_its_forward_equals_eager():
+    # the traced model's BatchNormReLU and BatchNormAddReLU compiled: the operators, and
+    # torch's add and ReLU around the second, give eager's bits
+    torch._dynamo.reset()
+    eager = bag.convert_batchnorm(Block(), fuse_relu=True)
+    assert type(eager.bn1) is bag.BatchNormReLU and type(eager.bn2) is bag.BatchNormAddReLU
+    compiled = copy.deepcopy(eager)
+    graphs = {}
+    fn = torch.compile(compiled, backend=recording_backend(graphs), fullgraph=True)
+    x = torch.randn(5, 4, 6, 6, generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        compare(step(fn, x), step(eager, x), tol=0)
+    assert graphs["forward"].count("bnbw_native.batch_norm_train.default") == 2
+
+
 def test_aot_eager_channels_last_and_dynamic_batch():
     torch._dynamo.reset()
     eager = bag.convert_batchnorm(small_net(1), fuse_relu=True).to(

@@ -6,6 +6,7 @@ state dicts, and the conversions themselves.  The example that trains with them
 test_refusals.py.
 """
 import copy
+import operator
 import os
 import sys
 import warnings
@@ -433,12 +434,13 @@ def test_convert_fuses_the_relus_a_forward_calls(memory_format):
     kinds = {name: type(m) for name, m in net.named_modules()
              if isinstance(m, bag.BatchNorm)}
     assert kinds == {"bn": bag.BatchNormReLU, "layer.0.bn1": bag.BatchNormReLU,
-                     "layer.0.bn2": bag.BatchNorm, "layer.1.bn1": bag.BatchNormReLU,
-                     "layer.1.bn2": bag.BatchNorm, "head_bn": bag.BatchNorm}
+                     "layer.0.bn2": bag.BatchNormAddReLU, "layer.1.bn1": bag.BatchNormReLU,
+                     "layer.1.bn2": bag.BatchNormAddReLU, "head_bn": bag.BatchNorm}
     assert list(net.state_dict()) == list(ref.state_dict())
     assert all(torch.equal(net.state_dict()[k], v) for k, v in ref.state_dict().items())
-    called = [n for n in net.graph.nodes if n.op == "call_module"]
-    assert sum(n.target == "layer.0.relu" for n in called) == 1    # the residual ReLU stays
+    targets = [n.target for n in net.graph.nodes]
+    assert [t for t in targets if str(t).endswith("relu")] == ["relu"]  # the head's alone
+    assert targets.count(operator.add) == 1                          # the head's y + relu(y)
     # fused, the same bits as our unfused layers and torch's ReLUs; both near float64 torch
     x = data((6, 3, 7, 7), seed=13, memory_format=memory_format)[0]
     got, want = _step(net, x), _step(unfused, x)
@@ -529,3 +531,32 @@ def test_a_lazy_batch_norm_converts_once_it_knows_its_channels():
     net(torch.randn(4, 5, 2, 2))
     net = bag.convert_batchnorm(net, fuse_relu=True)
     assert type(net[0]) is bag.BatchNormReLU and net[0].num_features == 5
+
+
+@pytest.mark.parametrize("input_grad", [True, False], ids=["x-grad", "parameters-only"])
+def test_the_add_layer_is_bn_add_relu_with_the_residuals_gradient(input_grad):
+    # y = max(bn(x) + r, 0) and r's gradient, the bits of our BatchNorm, + r, torch.relu
+    x, g = data((5, 4, 3, 6), seed=21)
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(22))
+    fused, plain = bag.BatchNormAddReLU(4), bag.BatchNorm(4)
+    got, want = [], []
+    for layer, out in ((fused, got), (plain, want)):
+        xs = x.clone().requires_grad_(input_grad)
+        rs = r.clone().requires_grad_()
+        y = layer(xs, rs) if layer is fused else torch.relu(layer(xs) + rs)
+        (y * g).sum().backward()
+        out += [y, rs.grad, layer.weight.grad, layer.bias.grad, layer.running_var]
+        if input_grad:
+            out.append(xs.grad)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+
+
+def test_the_add_layer_adds_a_broadcast_residual_as_written():
+    layer, plain = bag.BatchNormAddReLU(4), bag.BatchNorm(4)
+    x = torch.randn(3, 4, 2, 2)
+    r = torch.randn(4, 1, 1)
+    assert torch.equal(layer(x, r), torch.relu(plain(x) + r))
+    layer.eval()
+    plain.eval()
+    assert torch.equal(layer(x, r), torch.relu(plain(x) + r))
