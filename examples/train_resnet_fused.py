@@ -6,8 +6,10 @@
 
 The network is built from plain torch modules; convert_batchnorm(net, fuse_relu=True) turns
 every BatchNorm2d followed by a ReLU inside an nn.Sequential into a BatchNormReLU (the ReLU
-becomes nn.Identity, so parameter names and state-dict keys stay).  The batch norms that
-precede a residual add are converted to BatchNorm, unfused.
+becomes nn.Identity, so parameter names and state-dict keys stay), and - tracing the blocks'
+forward with torch.fx - each block's last batch norm, whose output goes to the residual add and
+then to the block's ReLU, into a BatchNormAddReLU (the network comes back as a GraphModule
+with the same state-dict keys).  The batch norms of the projections stay BatchNorm.
 
 1. Gradients: one training step of the fused network and of plain torch on the same batch,
    both float32, against plain torch in float64 on that batch.  The float64 run takes its ReLU
@@ -24,7 +26,7 @@ import time
 import torch
 
 import bnbw_native
-from bnbw_native.autograd import BatchNorm, BatchNormReLU, convert_batchnorm
+from bnbw_native.autograd import BatchNorm, BatchNormAddReLU, BatchNormReLU, convert_batchnorm
 
 
 class Block(torch.nn.Module):
@@ -74,8 +76,11 @@ class Masked(torch.nn.Module):
 
 
 def relu_site(name, module):
-    """The name of the plain network's ReLU a module stands for: a ReLU's own, or for a
-    BatchNormReLU the next name in its Sequential (where the ReLU was)."""
+    """The name of the plain network's ReLU a module stands for: a ReLU's own; for a
+    BatchNormReLU the next name in its Sequential (where the ReLU was); for a
+    BatchNormAddReLU ("<block>.body.4") its block's ReLU ("<block>.act")."""
+    if isinstance(module, BatchNormAddReLU):
+        return name.split(".")[0] + ".act"
     if isinstance(module, BatchNormReLU):
         parent, _, index = name.rpartition(".")
         return f"{parent}.{int(index) + 1}" if parent else str(int(index) + 1)
@@ -87,7 +92,8 @@ def gradients(net, images, labels):
     masks = {}
     hooks = [m.register_forward_hook(
         lambda mod, inp, out, site=relu_site(name, m): masks.__setitem__(site, out > 0))
-        for name, m in net.named_modules() if isinstance(m, (torch.nn.ReLU, BatchNormReLU))]
+        for name, m in net.named_modules()
+        if isinstance(m, (torch.nn.ReLU, BatchNormReLU, BatchNormAddReLU))]
     net.zero_grad()
     torch.nn.functional.cross_entropy(net(images), labels).backward()
     for hook in hooks:
@@ -129,10 +135,12 @@ def main():
     fused = convert_batchnorm(copy.deepcopy(plain), fuse_relu=True)
     kinds = [type(m).__name__ for m in fused.modules() if isinstance(m, BatchNorm)]
     print(f"network: {sum(p.numel() for p in plain.parameters())} parameters, "
-          f"{kinds.count('BatchNormReLU')} BatchNormReLU + {kinds.count('BatchNorm')} BatchNorm "
-          f"layers; input {args.batch} x 3 x {args.size} x {args.size}, "
+          f"{kinds.count('BatchNormReLU')} BatchNormReLU + {kinds.count('BatchNormAddReLU')} "
+          f"BatchNormAddReLU + {kinds.count('BatchNorm')} BatchNorm layers; "
+          f"input {args.batch} x 3 x {args.size} x {args.size}, "
           f"{'channels-last' if args.channels_last else 'NCHW'}, {args.threads} thread(s)")
     assert sum(isinstance(m, BatchNormReLU) for m in fused.modules()) == 4
+    assert sum(isinstance(m, BatchNormAddReLU) for m in fused.modules()) == 3
 
     # 1. gradients of one step against plain torch in float64
     images, labels = batch(args.batch, args.size, fmt, seed=1)
