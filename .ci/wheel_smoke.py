@@ -6,8 +6,9 @@ Imports the installed package (and says where from), prints show_config(), runs 
 backward per layout against the float64 reference, and checks that threadpoolctl sees the
 OpenMP runtime the package uses and that its limit reaches the package.  --vendored-openmp:
 the wheel must carry its own OpenMP runtime (an auditwheel/delocate/delvewheel-repaired wheel)
-and threadpoolctl must list that copy.  --torch: also measure whether torch.set_num_threads
-reaches bnbw_native, in both import orders (each in a new interpreter), and print the result.
+and threadpoolctl must list that copy.  --torch (Linux): in both import orders (each in a new
+interpreter), the process must hold one libgomp - the wheel's copy goes by its usual name,
+.ci/share_openmp.py - and torch.set_num_threads must reach bnbw_native.
 Used by .ci/wheel.sh and as cibuildwheel's test command (pyproject.toml).
 """
 import argparse
@@ -78,25 +79,34 @@ torch.set_num_threads(1)
 b = bnbw_native.get_num_threads()
 bnbw_native.set_num_threads(torch.get_num_threads())     # the explicit way always works
 c = bnbw_native.get_num_threads()
-print(a, b, c)
+import numpy as np
+x = np.zeros((70000, 2), np.float32)                      # a call that starts a team
+bnbw_native.batchnorm_training_forward(x, np.zeros(2, np.float32), np.ones(2, np.float32),
+                                       epsilon=1e-5, num_threads=2)
+torch.add(torch.ones(4), 1)
+runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+print(a, b, c, len(runtimes))
 """
 
 
 def measure_torch():
     """{import order: (threads before, after torch.set_num_threads(1), after passing torch's
-    count explicitly)}, each order in a new interpreter (the dynamic linker binds the OpenMP
-    symbols once, at the first import)."""
+    count explicitly, libgomp copies in the process)}, each order in a new interpreter (the
+    dynamic linker binds the OpenMP symbols once, at the first import)."""
     results = {}
     for first in ("torch", "bnbw_native"):
         done = subprocess.run([sys.executable, "-I", "-c", TORCH_PROBE, first],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         results[first] = tuple(map(int, done.stdout.split()))
-        a, b, c = results[first]
+        a, b, c, runtimes = results[first]
         follows = "follows" if b == 1 else "does NOT follow"
-        print(f"{first} imported first: bnbw_native {follows} torch.set_num_threads(1) "
-              f"(get_num_threads {a} -> {b}); set_num_threads(torch.get_num_threads()) -> {c}")
+        print(f"{first} imported first: {runtimes} libgomp in the process; bnbw_native "
+              f"{follows} torch.set_num_threads(1) (get_num_threads {a} -> {b}); "
+              f"set_num_threads(torch.get_num_threads()) -> {c}")
         assert c == 1
+        # one runtime (.ci/share_openmp.py): torch's and our teams never fight for the cores
+        assert runtimes == 1 and b == 1, f"{first} first: two OpenMP runtimes"
     return results
 
 

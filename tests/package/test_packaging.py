@@ -380,3 +380,19 @@ def test_ci_runs_the_wheel_stage_after_the_test_command():
     for step in ("pip wheel", "auditwheel repair", "readelf -d", "manylinux_", "bnbw-demo",
                  "-m venv", "c_extension/run.py"):
         assert step in stage, step
+
+
+def test_linux_wheels_share_one_openmp_runtime_with_the_process(cibuildwheel):
+    """auditwheel's repair, then the vendored libgomp back under its usual name: the release
+    configuration and .ci/wheel.sh both run .ci/share_openmp.py on the repaired wheel, and the
+    stage checks the name, the soname and the modules' NEEDED entries (two runtimes in one
+    process fight for the cores: README, "Threads")."""
+    command = cibuildwheel["linux"]["repair-wheel-command"]
+    assert command.startswith("auditwheel repair -w {dest_dir} {wheel} && ")
+    assert command.endswith("python {project}/.ci/share_openmp.py {dest_dir}")
+    stage = (ROOT / ".ci" / "wheel.sh").read_text()
+    assert stage.index("auditwheel\" repair") < stage.index(".ci/share_openmp.py")
+    for check in ("SONAME.*", r"NEEDED.*\[libgomp\.so\.1\]", "libgomp.so.1 alone"):
+        assert check in stage, check
+    smoke = (ROOT / ".ci" / "wheel_smoke.py").read_text()
+    assert "assert runtimes == 1 and b == 1" in smoke
