@@ -101,7 +101,8 @@ for lib in "$work"/unpacked/bnbw_native/*.so; do
             fail "$(basename "$lib") needs libgomp.so.1 but its run path misses bnbw_native.libs"
     fi
 done
-say "vendors $(basename "${vendored[0]}") under its usual name (one runtime per process); every run path is \$ORIGIN-relative"
+say "vendors $(basename "${vendored[0]}") under its usual name (one runtime per process);" \
+    "every run path is \$ORIGIN-relative"
 
 # ---- the tag's glibc is the wheel's real floor: the newest GLIBC_ symbol version it needs ------
 glibc_floor() {   # the newest GLIBC_x.y any of the given ELF files references

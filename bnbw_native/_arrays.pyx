@@ -39,8 +39,8 @@ from bnbw_native._vocabulary cimport (
     S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64,
     S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS,
     OP_EXACT_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_DX, DO_TRAINING, DO_FROZEN_DX,
-    DO_FROZEN, DO_REDUCE, DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS, DO_PARAMS_FROM_SUMS,
-    bnbw_status, BNBW_OK)
+    DO_FROZEN, DO_REDUCE, DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS,
+    DO_PARAMS_FROM_SUMS, bnbw_status, BNBW_OK)
 from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Convention, FAMILY_ARRAYS,
                                  FAMILY_DIRECTML, NAME_EPSILON, NAME_CAP, MESSAGE_CAP,
                                  check_call, layout_of, check_epsilon_value, copy_name,

@@ -12,9 +12,10 @@ Design:
 * Forward (training): the engine's training forward (bnbw_native.batchnorm_training_forward):
   the batch mean and biased variance from exact float64 sums, y = weight * (x - mean) /
   sqrt(var + eps) + bias written straight into the tensor returned (and the ReLU in the same
-  pass for the fused layers).  In plain eager mode the same native call also updates the
-  running statistics as PyTorch does (its momentum on the batch, the unbiased variance, in
-  float64 rounded once); compiled or under torch.func, the layer updates them with torch ops.
+  pass for the fused layers).  The same native call computes the new running statistics as
+  PyTorch does (its momentum on the batch, the unbiased variance), in float64 rounded once:
+  written in place in plain eager mode, returned by the operator and stored by the layer when
+  compiled or under torch.func - the same bits.
   The Sync layers run the forward in two phases: the sums and counts all-reduced once (a
   second time only for channels whose mean lies far from zero), so every rank holds the same
   bits.
@@ -28,7 +29,8 @@ Design:
 * Eval mode, and float64 input (torch.autograd.gradcheck): torch's own batch norm (and ReLU).
 * Threads: num_threads None follows torch (torch.get_num_threads()) at every call.
 Storage types: x float32, float16 or bfloat16 (bfloat16 in the Sync layers needs ml_dtypes);
-parameters and statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not supported.
+parameters and statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not
+supported.
 """
 import operator
 import warnings
