@@ -348,7 +348,7 @@ def main():
     extensions = [
         extension(name, [f"bnbw_native/{name}.pyx"]
                   + (kernel_sources if name == "_engine" else []))
-        for name in ("_plan", "_schedules", "_engine", "_rules", "_arrays", "_directml",
+        for name in ("_plan", "_schedules", "_execute", "_engine", "_rules", "_arrays", "_directml",
                      "_capi", "_half")
     ]
 

@@ -20,17 +20,16 @@ on the kernel body this process chose and the thread count resolved here.
 """
 from bnbw_native._vocabulary cimport (
     Layout, Plan, bnbw_status, BNBW_OK, BNBW_ERROR_OUT_OF_MEMORY, BNBW_BODY_AVX2,
-    RECENTRE as RECENTRE_VARIANCES,
     bnbw_kernels, bnbw_body, bnbw_cpu_body, bnbw_set_body_cap, bnbw_body_name,
     bnbw_omp_max_threads, bnbw_omp_num_procs, bnbw_openmp_version, bnbw_half_simd_path)
 from bnbw_native._plan cimport plan_build, plan_free
-from bnbw_native._schedules cimport Schedule, schedule_choose, execute
+from bnbw_native._schedules cimport Schedule, schedule_choose
+from bnbw_native._execute cimport execute
+from bnbw_native._formulas cimport forward_recentre
 
 import numbers
 
-# How far (in variances) the forward's mean may lie from the shift its sums start from
-# (_vocabulary.forward_recentre; the torch layers' SyncBatchNorm decides with it too).
-RECENTRE = RECENTRE_VARIANCES
+import numpy as np
 
 # More than this is not a thread count but a mistake: refused (a ValueError naming it).
 cdef int MAX_REQUEST = 1 << 15
@@ -205,3 +204,15 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
         }
     finally:
         plan_free(&p)
+
+
+def recentred_shifts(const float[:] shift, const double[:, :] sums, double count):
+    """The forward's re-centre rule (bnbw_native._formulas) on sums taken outside one call (the
+    torch layers' process groups: Sum d and Sum d^2 around `shift`, over `count` elements per
+    channel): the float32 shifts to take them again around, or None when they are final."""
+    cdef Py_ssize_t c
+    cdef bint moved = False
+    cdef float[::1] out = np.array(shift, dtype=np.float32)
+    for c in range(shift.shape[0]):
+        moved = forward_recentre(shift[c], sums[0, c], sums[1, c], count, &out[c]) or moved
+    return np.asarray(out) if moved else None

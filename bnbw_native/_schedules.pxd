@@ -1,6 +1,11 @@
 from libc.stdint cimport int64_t
 
-from bnbw_native._vocabulary cimport Plan, bnbw_kernel_table
+from bnbw_native._vocabulary cimport Plan
+
+cdef enum:
+    TILE = 2048           # channel-major rows reach the kernels in pieces of at most this many
+                          # elements; channel-last items span at most this many channels
+    COMBINE_CHUNK = 256   # channels per parallel item of the combine
 
 cdef enum ScheduleKind:
     SCHED_NOTHING = 0          # nothing to read: an empty batch, or constants only
@@ -27,6 +32,3 @@ ctypedef struct Schedule:
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil
 # What schedule_choose assumes of the machine (read at import; tests may set them)
 cdef int64_t cache_l2_bytes, cache_l3_bytes, cache_l3_sharers
-cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr,
-                 int op, double eps, double momentum, double count,
-                 double *sums_io) noexcept nogil

@@ -38,7 +38,7 @@ from ._arrays import (PARAMS, PARAMS_FROM_SUMS, TRAINING, backward, forward,
                       register_tensor_types)
 from ._onednn_graph import FORWARD, GRAPH
 from ._two_phase import TWO_PHASE, forward_apply, forward_reduce
-from ._engine import RECENTRE
+from ._engine import recentred_shifts
 
 STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -132,11 +132,10 @@ def _sync_sums(xs, data_format, channels, group, num_threads):
         if total <= 1:      # the same on every rank: all of them raise
             raise ValueError(f"expected more than 1 value per channel when training, got "
                              f"{total} over the process group")
-        off = sums[0] / total
-        far = off * off > RECENTRE * np.maximum((sums[1] - sums[0] * off) / total, 0.0)
-        if not far.any():
+        moved = recentred_shifts(shift, sums, total)
+        if moved is None:
             break
-        shift = np.where(far, (shift + off).astype(np.float32), shift)
+        shift = moved
     return shift, sums, total
 
 

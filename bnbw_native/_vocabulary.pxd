@@ -13,7 +13,6 @@
 #   status    a bnbw_status: how every refusal is reported, to C callers and to Python alike.
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
-from libc.math cimport sqrt
 
 
 cdef extern from "bnbw_half.h" nogil:
@@ -258,11 +257,11 @@ cdef enum:  # Slot
     N_ROLES = 16         # every slot validation knows
 
 # What a call does (flags), and what one pass of a schedule does (a subset: OP_REDUCE and/or
-# OP_DX, with OP_TRAINING choosing the training dx over the frozen one).
+# OP_DX; the call's formula - OP_FORWARD, OP_TRAINING or neither - says which kernels).
 cdef enum:  # Op
     OP_REDUCE = 1        # Sum dy and Sum (x - mean) dy from x and dy
     OP_GIVEN_SUMS = 2    # the sums come from the caller (two-phase apply)
-    OP_TRAINING = 4      # the training dx (else frozen statistics: dx = scale * r * dy)
+    OP_TRAINING = 4      # the backward's training dx (else frozen statistics: dx = scale * r * dy)
     OP_DX = 8
     OP_PARAMS = 16       # dscale, dbias
     OP_RETURN_SUMS = 32  # copy the sums out (two-phase reduce)
@@ -279,15 +278,21 @@ cdef enum:  # Formula
     DO_FROZEN = OP_REDUCE | OP_DX | OP_PARAMS    # DirectML's BatchNormalizationGrad
     DO_REDUCE = OP_REDUCE | OP_RETURN_SUMS       # the two-phase sums
     DO_APPLY = OP_GIVEN_SUMS | OP_TRAINING | OP_DX | OP_PARAMS   # the two-phase apply
-    # y and the statistics (OP_TRAINING: like the training dx, y needs the sums first)
-    DO_FORWARD = OP_FORWARD | OP_REDUCE | OP_TRAINING | OP_DX
+    # y and the statistics
+    DO_FORWARD = OP_FORWARD | OP_REDUCE | OP_DX
     # the forward in two phases: sums around a given shift (in mean's slot), then y from
     # given sums (the torch layers' SyncBatchNorm)
     DO_FORWARD_REDUCE = OP_FORWARD | OP_REDUCE | OP_RETURN_SUMS
-    DO_FORWARD_APPLY = OP_FORWARD | OP_GIVEN_SUMS | OP_TRAINING | OP_DX
+    DO_FORWARD_APPLY = OP_FORWARD | OP_GIVEN_SUMS | OP_DX
     # dscale and dbias only, from x and dy or from given sums (the torch layers)
     DO_PARAMS = OP_REDUCE | OP_PARAMS
     DO_PARAMS_FROM_SUMS = OP_GIVEN_SUMS | OP_PARAMS
+
+cdef inline bint applies_after_sums(int op) noexcept nogil:
+    """Whether the call's apply needs its final sums (the training dx, the forward's y), so
+    runs in a pass of its own; the frozen dx runs in the reduce pass."""
+    return (op & (OP_TRAINING | OP_FORWARD)) != 0
+
 
 # Elements below which threads cost more than they bring: such calls run on the calling thread.
 cdef enum:
@@ -403,68 +408,3 @@ cdef inline void store_stat(char *base, int dtype, int64_t offset, double v) noe
     else:
         b = bnbw_f64_to_bf16(v)
         memcpy(base + offset, &b, 2)
-
-
-cdef inline void coefficients(int op, double sum_g, double sum_xg, double count, float var,
-                              float scale, double eps, float *k1, float *k2, float *k3,
-                              double *dscale, double *dbias) noexcept nogil:
-    """The only place where the formulas meet the sums.  With r = 1/sqrt(var + eps):
-        dbias = Sum dy,  dscale = r * Sum (x - mean) dy
-        dx = k1*dy + k2*(x - mean) + k3,  k1 = scale*r,
-        training: k2 = -scale*r*r*dscale/M,  k3 = -scale*r*dbias/M;  frozen: k2 = k3 = 0.
-    An empty batch (M = 0) has zero parameter gradients, whatever the statistics hold."""
-    cdef double r = 1.0 / sqrt(<double> var + eps)
-    cdef double sr = <double> scale * r
-    if count > 0:
-        dbias[0] = sum_g
-        dscale[0] = r * sum_xg
-    else:
-        dbias[0] = 0.0
-        dscale[0] = 0.0
-    k1[0] = <float> sr
-    if op & OP_TRAINING and count > 0:
-        k2[0] = <float> (-sr * r * dscale[0] / count)
-        k3[0] = <float> (-sr * sum_g / count)
-    else:
-        k2[0] = 0.0
-        k3[0] = 0.0
-
-
-# A channel whose mean lies more than sqrt(RECENTRE) standard deviations from its shift would
-# lose log2(RECENTRE) of f64's bits to cancellation in Sum d^2 - (Sum d)^2 / M: its sums are
-# taken again around fl32(mean) (forward_recentre).  A decision from the channel's own sums.
-cdef enum:
-    RECENTRE = 4096
-
-
-cdef inline bint forward_recentre(float shift, double s1, double s2, double count,
-                                  float *new_shift) noexcept nogil:
-    """Whether a channel's forward sums around `shift` must be taken again around *new_shift."""
-    cdef double off = s1 / count
-    cdef float to = <float> (shift + off)
-    if not (off * off > RECENTRE * ((s2 - s1 * off) / count)) or to == shift:
-        return False          # (NaN and inf sums: never; there is nothing to recover)
-    new_shift[0] = to
-    return True
-
-
-cdef inline void forward_coefficients(float shift, double s1, double s2, double count,
-                                      float scale, float beta, double eps, float *mean_hi,
-                                      float *k, float *b, double *mean,
-                                      double *var) noexcept nogil:
-    """The only place where the forward's formulas meet its sums (d = x - shift):
-        mean = shift + Sum d / M,  var = (Sum d^2 - (Sum d)^2 / M) / M  (biased, >= 0),
-        r = 1/sqrt(var + eps),  y = k*(x - mean_hi) + b  with  k = fl32(scale*r),
-        mean_hi = fl32(mean),  b = fl32(beta - k*(mean - mean_hi)):
-    the mean's low bits, which x - mean_hi cannot see, go into b.  A channel of one value
-    (var 0: every x - mean_hi is 0) takes k = 0 for a finite scale, so y = beta even where
-    scale*r overflows float32 (inf*0 would be NaN)."""
-    cdef double off = s1 / count
-    cdef double m2 = s2 - s1 * off
-    mean[0] = shift + off
-    var[0] = (0.0 if m2 < 0 else m2) / count
-    k[0] = <float> (scale * (1.0 / sqrt(var[0] + eps)))
-    if var[0] == 0.0 and scale - scale == 0:
-        k[0] = 0.0
-    mean_hi[0] = <float> mean[0]
-    b[0] = <float> (beta - <double> k[0] * (mean[0] - <double> mean_hi[0]))

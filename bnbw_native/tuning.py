@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from . import _arrays, _engine, _schedules
+from . import _arrays, _engine, _execute, _schedules
 from ._config import KERNEL_CAPS, kernel_body, use_kernels
 from ._onednn_graph import FORWARD, GRAPH
 
@@ -46,7 +46,7 @@ def set_stream_policy(policy: str) -> str:
 def set_scratch_poison(on: bool) -> bool:
     """Fill every call's scratch (block sums, per-channel floats) with NaN before its passes,
     so that a pass reading what it did not write shows; returns the previous setting."""
-    return bool(_schedules.set_scratch_poison(on))
+    return bool(_execute.set_scratch_poison(on))
 
 
 def set_thread_work_floor(nbytes: int) -> int:

@@ -13,7 +13,7 @@ import bnbw_native
 from bnbw_native import _config, _engine
 from cext import ROOT, c_compiler
 
-COMPILED = ("_plan", "_schedules", "_engine", "_rules", "_arrays", "_directml", "_capi",
+COMPILED = ("_plan", "_schedules", "_execute", "_engine", "_rules", "_arrays", "_directml", "_capi",
             "_half")
 
 

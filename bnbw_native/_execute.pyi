@@ -1,0 +1,3 @@
+# Carrying out a schedule (compiled from _execute.pyx).
+
+def set_scratch_poison(on: bool) -> bool: ...

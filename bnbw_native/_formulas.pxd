@@ -1,0 +1,83 @@
+# The per-channel arithmetic: where the formulas meet a channel's sums.  Each rule is written
+# once, here: the engine's passes call it for every channel, and the torch layers' process
+# groups reach the forward's re-centre rule through bnbw_native._engine.
+from libc.math cimport sqrt
+
+from bnbw_native._vocabulary cimport OP_TRAINING
+
+
+cdef inline void coefficients(int op, double sum_g, double sum_xg, double count, float var,
+                              float scale, double eps, float *k1, float *k2, float *k3,
+                              double *dscale, double *dbias) noexcept nogil:
+    """The only place where the formulas meet the sums.  With r = 1/sqrt(var + eps):
+        dbias = Sum dy,  dscale = r * Sum (x - mean) dy
+        dx = k1*dy + k2*(x - mean) + k3,  k1 = scale*r,
+        training: k2 = -scale*r*r*dscale/M,  k3 = -scale*r*dbias/M;  frozen: k2 = k3 = 0.
+    An empty batch (M = 0) has zero parameter gradients, whatever the statistics hold."""
+    cdef double r = 1.0 / sqrt(<double> var + eps)
+    cdef double sr = <double> scale * r
+    if count > 0:
+        dbias[0] = sum_g
+        dscale[0] = r * sum_xg
+    else:
+        dbias[0] = 0.0
+        dscale[0] = 0.0
+    k1[0] = <float> sr
+    if op & OP_TRAINING and count > 0:
+        k2[0] = <float> (-sr * r * dscale[0] / count)
+        k3[0] = <float> (-sr * sum_g / count)
+    else:
+        k2[0] = 0.0
+        k3[0] = 0.0
+
+
+# A channel whose mean lies more than sqrt(RECENTRE) standard deviations from its shift would
+# lose log2(RECENTRE) of f64's bits to cancellation in Sum d^2 - (Sum d)^2 / M: its sums are
+# taken again around fl32(mean) (forward_recentre).  A decision from the channel's own sums.
+cdef enum:
+    RECENTRE = 4096
+
+
+cdef inline bint forward_recentre(float shift, double s1, double s2, double count,
+                                  float *new_shift) noexcept nogil:
+    """Whether a channel's forward sums around `shift` must be taken again around *new_shift."""
+    cdef double off = s1 / count
+    cdef float to = <float> (shift + off)
+    if not (off * off > RECENTRE * ((s2 - s1 * off) / count)) or to == shift:
+        return False          # (NaN and inf sums: never; there is nothing to recover)
+    new_shift[0] = to
+    return True
+
+
+cdef inline void forward_coefficients(float shift, double s1, double s2, double count,
+                                      float scale, float beta, double eps, float *mean_hi,
+                                      float *k, float *b, double *mean,
+                                      double *var) noexcept nogil:
+    """The only place where the forward's formulas meet its sums (d = x - shift):
+        mean = shift + Sum d / M,  var = (Sum d^2 - (Sum d)^2 / M) / M  (biased, >= 0),
+        r = 1/sqrt(var + eps),  y = k*(x - mean_hi) + b  with  k = fl32(scale*r),
+        mean_hi = fl32(mean),  b = fl32(beta - k*(mean - mean_hi)):
+    the mean's low bits, which x - mean_hi cannot see, go into b.  A channel of one value
+    (var 0: every x - mean_hi is 0) takes k = 0 for a finite scale, so y = beta even where
+    scale*r overflows float32 (inf*0 would be NaN)."""
+    cdef double off = s1 / count
+    cdef double m2 = s2 - s1 * off
+    mean[0] = shift + off
+    var[0] = (0.0 if m2 < 0 else m2) / count
+    k[0] = <float> (scale * (1.0 / sqrt(var[0] + eps)))
+    if var[0] == 0.0 and scale - scale == 0:
+        k[0] = 0.0
+    mean_hi[0] = <float> mean[0]
+    b[0] = <float> (beta - <double> k[0] * (mean[0] - <double> mean_hi[0]))
+
+
+cdef inline double running_statistic(double old, double batch, double momentum, double count,
+                                     bint torch_running, bint variance) noexcept nogil:
+    """A running mean (or variance) after a batch of M = count > 0 elements, in f64:
+    momentum * old + (1 - momentum) * batch; torch_running: PyTorch's
+    (1 - momentum) * old + momentum * batch with the variance unbiased (M / (M - 1))."""
+    if not torch_running:
+        return momentum * old + (1.0 - momentum) * batch
+    if variance and count > 1:
+        batch = batch * (count / (count - 1.0))
+    return (1.0 - momentum) * old + momentum * batch
