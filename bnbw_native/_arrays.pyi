@@ -2,8 +2,6 @@
 from collections.abc import Sequence
 from typing import Any
 
-from numpy.typing import NDArray
-
 from ._rules import Convention
 
 TRAINING: int
@@ -18,7 +16,6 @@ PARAMS: int
 PARAMS_FROM_SUMS: int
 
 def register_tensor_types(types: Any, dtypes: dict[Any, str], strided: Any) -> None: ...
-def as_array(obj: Any, name: str) -> NDArray[Any]: ...
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str: ...
 def check_int_choice(value: object, name: str, choices: Sequence[int]) -> int: ...
 
