@@ -36,8 +36,9 @@ from bnbw_native._vocabulary cimport (
     BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT,
     BNBW_ERROR_OPERATOR_TYPE, BNBW_ERROR_OUT_OF_MEMORY, BNBW_ERROR_ADDRESS)
 from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, MESSAGE_CAP, check_call,
-                                 layout_of, ranges_overlap, type_text, parse_real,
-                                 in_place_input, raise_status)
+                                 layout_of, type_text, parse_real, in_place_input,
+                                 raise_status)
+from bnbw_native._overlap cimport ranges_overlap
 from bnbw_native._engine cimport engine_plan, engine_execute, engine_release
 
 import numbers

@@ -1,4 +1,4 @@
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t
 
 from bnbw_native._vocabulary cimport Layout, N_ROLES, bnbw_status
 
@@ -54,8 +54,6 @@ cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil
 cdef int parse_real(object value, Epsilon *e, str name) except -1
 cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *msg,
                                      size_t cap) noexcept nogil
-cdef bint ranges_overlap(uintptr_t a, uint64_t a_bytes, uintptr_t b,
-                         uint64_t b_bytes) noexcept nogil
 cdef const char *type_text(int dtype) noexcept nogil
 cdef int in_place_input(int op, int output) noexcept nogil
 cdef void copy_name(char *dst, str text, size_t cap)
