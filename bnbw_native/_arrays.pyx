@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Array calls: Python objects in, checked, outputs allocated, run.
+"""Array calls: Python objects in, marshalled, checked, outputs allocated, run.
 
 The array conventions (oneDNN Graph, the Intel spec, nGraph, the two phases, DirectML's array
 conveniences; the torch layers through them) call `backward` with their `Convention`:
@@ -10,9 +10,6 @@ conveniences; the torch layers through them) call `backward` with their `Convent
 NumPy arrays are read directly; anything else goes through NumPy once (DLPack, buffers, lists:
 bnbw_native._dlpack, which also says how lazy torch views and bfloat16 over DLPack are read).
 """
-import numbers
-import warnings
-
 import numpy as np
 
 cimport numpy as cnp
@@ -28,13 +25,12 @@ from bnbw_native._vocabulary cimport (
     DO_FROZEN, DO_REDUCE, DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS,
     DO_PARAMS_FROM_SUMS, bnbw_status, BNBW_OK)
 from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Convention, FAMILY_ARRAYS,
-                                 FAMILY_DIRECTML, NAME_EPSILON, NAME_CAP, MESSAGE_CAP,
-                                 check_call, layout_of, check_epsilon_value, copy_name,
+                                 FAMILY_DIRECTML, MESSAGE_CAP, check_call, layout_of, copy_name,
                                  parse_real, raise_status)
 from bnbw_native._engine cimport engine_run, engine_describe
 
-from bnbw_native._engine import requested_threads
 from bnbw_native._dlpack import as_array, output_array
+from bnbw_native._rules import check_count, requested_threads
 
 cnp.import_array()
 
@@ -190,79 +186,6 @@ cdef object _output(object obj, Arg *a, str label, bint tensors):
     return arr
 
 
-def check_choice(value, name, choices):
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, one of {', '.join(choices)}; "
-                        f"got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-class DataFormatWarning(UserWarning):
-    """A torch tensor of rank 3 or more reached an array front-end under the default
-    data_format "NXC" (channels last): torch tensors carry (N, C, *) sizes whatever their
-    memory format, so such a call most likely wants data_format="NCX"."""
-
-
-# The default data_format: "NXC" as the conventions define it, a plain str, but an object of
-# its own (made at run time, so never the interned "NXC" of a caller's code): identity tells
-# the default from a caller's explicit "NXC".
-NXC_DEFAULT = str(bytearray(b"NXC"), "ascii")
-
-# what each data_format is called elsewhere: named when a caller passes one of those
-_FORMAT_NAMES = {"NXC": "channels last: NWC, NHWC, NDHWC", "NCX": "channel axis 1: NCW, NCHW, "
-                                                                  "NCDHW"}
-
-
-def check_data_format(value, src, int stacklevel=2):
-    """`value` as a plain "NXC" or "NCX".  The default with a torch tensor of rank 3 or more
-    as `src` warns (DataFormatWarning): its sizes are (N, C, *) in any memory format.
-    `stacklevel`: the caller's Python frame to name (2: the front-end's caller)."""
-    if value is NXC_DEFAULT:
-        if not cnp.PyArray_Check(src):
-            _warn_if_torch(src, stacklevel)      # (compiled frames do not count)
-        return "NXC"
-    if isinstance(value, str):
-        if value in _FORMAT_NAMES:
-            return str(value)
-        raise ValueError(f"data_format must be one of NXC, NCX (NXC: "
-                         f"{_FORMAT_NAMES['NXC']}; NCX: {_FORMAT_NAMES['NCX']}), got {value!r}")
-    return check_choice(value, "data_format", tuple(_FORMAT_NAMES))     # raises TypeError
-
-
-cdef _warn_if_torch(src, int stacklevel):
-    """The DataFormatWarning of check_data_format, for a torch tensor of rank 3 or more."""
-    if type(src).__module__.split(".")[0] == "torch" and getattr(src, "ndim", 0) >= 3:
-        sizes = tuple(src.shape)
-        warnings.warn(
-            f"data_format defaults to 'NXC' (channels on the last axis), so this torch tensor "
-            f"of sizes {sizes} is normalised over {sizes[len(sizes) - 1]} channels; "
-            f"torch tensors have (N, C, *) sizes in any memory format: pass data_format='NCX' "
-            f"for them (or data_format='NXC' for a tensor that really is channels-last)",
-            DataFormatWarning, stacklevel=stacklevel)
-
-
-def check_int_choice(value, name, choices):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, one of {choices}, got {type(value).__name__}")
-    if int(value) not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value}")
-    return int(value)
-
-
-def check_epsilon(value, name="epsilon"):
-    """The f32 epsilon as a Python float, or TypeError / ValueError."""
-    cdef Epsilon e
-    cdef Rules r
-    cdef char msg[MESSAGE_CAP]
-    parse_real(value, &e, name)
-    copy_name(r.names[NAME_EPSILON], name, NAME_CAP)
-    if check_epsilon_value(&r, &e, msg, MESSAGE_CAP) != BNBW_OK:
-        raise ValueError(msg.decode())
-    return float(<float> e.value)
-
-
 # ---------------------------------------------------------------------------------------
 # The array call
 # ---------------------------------------------------------------------------------------
@@ -339,14 +262,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
         except TypeError:
             raise TypeError("partial must be a float64 array of shape (2, C) from "
                             "backward_reduce") from None
-        if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral):
-            raise TypeError(f"count must be an int, got {type(count).__name__}")
-        if count < 0:
-            raise ValueError(f"count must be a non-negative int, the global element count "
-                             f"per channel (at least the local one), got {count}")
-        if count >= 2 ** 63:
-            raise ValueError(f"count must be below 2**63, got {count}")
-        c.count = count
+        c.count = check_count(count)
     n_out = 0
     if reduce_only or r.family != FAMILY_ARRAYS:
         n_out = 0

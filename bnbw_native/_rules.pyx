@@ -12,8 +12,13 @@ outputs (dtype, shape, writable, aligned, no self-overlap) and overlaps between 
 refusal is a bnbw_status and a message naming the argument as the convention calls it; nothing
 has been written then.  `raise_status` is the one map from a status to a Python exception.
 
-`layout_of` turns checked arguments into the engine's Layout, once per call.  Nothing here
+`layout_of` turns checked arguments into the engine's Layout, once per call.  Nothing above
 touches a Python object but the Convention constructor and `raise_status`.
+
+What a Python caller gives besides arrays is checked here too, before any array is read: the
+choices (data_format, num_outputs), flags, epsilon, the two-phase count.  `check_threads` is the
+one rule for num_threads: Python callers' through `requested_threads`, C callers' through the
+DirectML operator's execute (where 0 is the default, as include/bnbw_native.h says).
 """
 from libc.stdint cimport int64_t
 from libc.stdio cimport snprintf
@@ -21,9 +26,11 @@ from libc.string cimport memset, strcmp, strncpy
 from libc.math cimport isfinite, INFINITY
 
 import numbers
+import warnings
 
 import numpy as np
 
+cimport numpy as cnp
 from bnbw_native._overlap cimport may_share, self_overlap, same_view
 from bnbw_native._vocabulary cimport (
     Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR,
@@ -31,7 +38,10 @@ from bnbw_native._vocabulary cimport (
     DT_F64, OP_GIVEN_SUMS, OP_FORWARD, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR,
     bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
     BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_OVERLAP,
-    BNBW_ERROR_EPSILON, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY)
+    BNBW_ERROR_EPSILON, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY,
+    bnbw_omp_num_procs)
+
+cnp.import_array()
 
 # ---------------------------------------------------------------------------------------
 # Messages
@@ -583,6 +593,159 @@ cdef void copy_name(char *dst, str text, size_t cap):
     encoded = text.encode()[:cap - 1]
     strncpy(dst, encoded, cap - 1)
     dst[cap - 1] = 0
+
+
+# ---------------------------------------------------------------------------------------
+# A Python caller's options, checked before any array is read
+# ---------------------------------------------------------------------------------------
+
+def check_choice(value, name, choices):
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {', '.join(choices)}; "
+                        f"got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+class DataFormatWarning(UserWarning):
+    """A torch tensor of rank 3 or more reached an array front-end under the default
+    data_format "NXC" (channels last): torch tensors carry (N, C, *) sizes whatever their
+    memory format, so such a call most likely wants data_format="NCX"."""
+
+
+# The default data_format: "NXC" as the conventions define it, a plain str, but an object of
+# its own (made at run time, so never the interned "NXC" of a caller's code): identity tells
+# the default from a caller's explicit "NXC".
+NXC_DEFAULT = str(bytearray(b"NXC"), "ascii")
+
+# what each data_format is called elsewhere: named when a caller passes one of those
+_FORMAT_NAMES = {"NXC": "channels last: NWC, NHWC, NDHWC", "NCX": "channel axis 1: NCW, NCHW, "
+                                                                  "NCDHW"}
+
+
+def check_data_format(value, src, int stacklevel=2):
+    """`value` as a plain "NXC" or "NCX".  The default with a torch tensor of rank 3 or more
+    as `src` warns (DataFormatWarning): its sizes are (N, C, *) in any memory format.
+    `stacklevel`: the caller's Python frame to name (2: the front-end's caller)."""
+    if value is NXC_DEFAULT:
+        if not cnp.PyArray_Check(src):
+            _warn_if_torch(src, stacklevel)      # (compiled frames do not count)
+        return "NXC"
+    if isinstance(value, str):
+        if value in _FORMAT_NAMES:
+            return str(value)
+        raise ValueError(f"data_format must be one of NXC, NCX (NXC: "
+                         f"{_FORMAT_NAMES['NXC']}; NCX: {_FORMAT_NAMES['NCX']}), got {value!r}")
+    return check_choice(value, "data_format", tuple(_FORMAT_NAMES))     # raises TypeError
+
+
+cdef _warn_if_torch(src, int stacklevel):
+    """The DataFormatWarning of check_data_format, for a torch tensor of rank 3 or more."""
+    if type(src).__module__.split(".")[0] == "torch" and getattr(src, "ndim", 0) >= 3:
+        sizes = tuple(src.shape)
+        warnings.warn(
+            f"data_format defaults to 'NXC' (channels on the last axis), so this torch tensor "
+            f"of sizes {sizes} is normalised over {sizes[len(sizes) - 1]} channels; "
+            f"torch tensors have (N, C, *) sizes in any memory format: pass data_format='NCX' "
+            f"for them (or data_format='NXC' for a tensor that really is channels-last)",
+            DataFormatWarning, stacklevel=stacklevel)
+
+
+def check_int_choice(value, name, choices):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, one of {choices}, got {type(value).__name__}")
+    if int(value) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value}")
+    return int(value)
+
+
+def check_epsilon(value, name="epsilon"):
+    """The f32 epsilon as a Python float, or TypeError / ValueError."""
+    cdef Epsilon e
+    cdef Rules r
+    cdef char msg[MESSAGE_CAP]
+    parse_real(value, &e, name)
+    copy_name(r.names[NAME_EPSILON], name, NAME_CAP)
+    if check_epsilon_value(&r, &e, msg, MESSAGE_CAP) != BNBW_OK:
+        raise ValueError(msg.decode())
+    return float(<float> e.value)
+
+
+def check_int(value, name):
+    """`value` as an int: a Python or NumPy integer, not a bool (TypeError naming `name`)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def check_flag(value, name):
+    """A True/False option (NumPy's bool too); TypeError naming `name` for anything else."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+
+
+def check_count(count):
+    """The two-phase global element count per channel, an int in 0..2**63 - 1, as given."""
+    check_int(count, "count")
+    if count < 0:
+        raise ValueError(f"count must be a non-negative int, the global element count "
+                         f"per channel (at least the local one), got {count}")
+    if count >= 2 ** 63:
+        raise ValueError(f"count must be below 2**63, got {count}")
+    return count
+
+
+# ---------------------------------------------------------------------------------------
+# Threads: what a caller may ask for (what a call then runs on is the engine's)
+# ---------------------------------------------------------------------------------------
+
+# More than this is not a thread count but a mistake: refused (a ValueError naming it).
+MAX_THREADS = MAX_REQUEST
+
+
+cdef bnbw_status check_threads(int64_t n, bint zero_is_default, const char *name,
+                               const char *text, char *msg, size_t cap) noexcept nogil:
+    """The one thread rule.  A Python caller's num_threads (None, the default, never reaches
+    here) is 1..MAX_THREADS; a C caller's (zero_is_default: include/bnbw_native.h) is >= 0, 0
+    the default, and any larger count runs on the CPUs there are.  `text`: n as the caller's
+    language prints it (NULL: printed from n)."""
+    cdef char number[32]
+    if text == NULL:
+        snprintf(number, 32, "%lld", <long long> n)
+        text = number
+    if zero_is_default:
+        if n >= 0:
+            return BNBW_OK
+        snprintf(msg, cap, "%s must be >= 0 (0 = the default), got %s", name, text)
+        return BNBW_ERROR_NUM_THREADS
+    if n <= 0:
+        snprintf(msg, cap, "%s must be a positive int, got %s", name, text)
+        return BNBW_ERROR_NUM_THREADS
+    if n > MAX_REQUEST:
+        snprintf(msg, cap, "%s must be at most %d, got %s (a call runs on at most the %d CPUs "
+                 "this process may use)", name, <int> MAX_REQUEST, text, bnbw_omp_num_procs())
+        return BNBW_ERROR_NUM_THREADS
+    return BNBW_OK
+
+
+def requested_threads(value, name="num_threads"):
+    """A num_threads argument as given: 0 for None, else an int in 1..MAX_THREADS (TypeError
+    or ValueError naming `name` otherwise)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be None or a positive int, got {type(value).__name__}")
+    value = int(value)
+    # beyond int64 only the sign and "too many" matter; the message prints the value itself,
+    # in full however many digits it has
+    label = name.encode()
+    text = str(value).encode()
+    msg = bytearray(len(label) + len(text) + MESSAGE_CAP)
+    if check_threads(max(-1, min(value, MAX_REQUEST + 1)), False, label, text, msg,
+                     len(msg)) != BNBW_OK:
+        raise ValueError(msg.split(b"\0", 1)[0].decode())
+    return value
 
 
 # ---------------------------------------------------------------------------------------
