@@ -40,7 +40,7 @@ except ImportError as exc:
         "modules are not built. Either build them there (python setup.py build_ext --inplace) "
         "or start Python from another directory so that the installed bnbw_native is "
         "imported.") from exc
-from ._arrays import DataFormatWarning
+from ._rules import DataFormatWarning
 from ._onednn_graph import (BackwardResult, ForwardResult, batchnorm_training_backward,
                             batchnorm_training_forward)
 from ._two_phase import backward_apply, backward_reduce

@@ -1,8 +1,5 @@
 # Array calls: marshal, check, allocate, run (compiled from _arrays.pyx).
-from collections.abc import Sequence
 from typing import Any
-
-from numpy.typing import NDArray
 
 from ._rules import Convention
 
@@ -18,15 +15,6 @@ PARAMS: int
 PARAMS_FROM_SUMS: int
 
 def register_tensor_types(types: Any, dtypes: dict[Any, str], strided: Any) -> None: ...
-def as_array(obj: Any, name: str) -> NDArray[Any]: ...
-def check_choice(value: object, name: str, choices: Sequence[str]) -> str: ...
-def check_int_choice(value: object, name: str, choices: Sequence[int]) -> int: ...
-
-class DataFormatWarning(UserWarning): ...
-NXC_DEFAULT: str
-
-def check_data_format(value: object, src: object, stacklevel: int = 2) -> str: ...
-def check_epsilon(value: object, name: str = "epsilon") -> float: ...
 def backward(
     conv: Convention,
     formula: int,

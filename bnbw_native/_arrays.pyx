@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Array calls: Python objects in, checked, outputs allocated, run.
+"""Array calls: Python objects in, marshalled, checked, outputs allocated, run.
 
 The array conventions (oneDNN Graph, the Intel spec, nGraph, the two phases, DirectML's array
 conveniences; the torch layers through them) call `backward` with their `Convention`:
@@ -7,31 +7,14 @@ conveniences; the torch layers through them) call `backward` with their `Convent
     marshal (Python objects -> Args, with the GIL) -> check_call (bnbw_native._rules, no GIL)
     -> allocate the outputs not given -> layout -> bnbw_native._engine
 
-NumPy arrays are read directly; anything else goes through NumPy once (DLPack, buffers, lists).
-
-Objects whose memory is not their value, and bfloat16 over DLPack:
-
-* A torch tensor with the negative bit (`is_neg()`, e.g. the `.imag` of a conjugated complex
-  tensor) or the conjugate bit is a lazy view: its memory holds -x (or conj(x)) and DLPack
-  exports that memory as it is.  As an input it is resolved first (`resolve_conj()`,
-  `resolve_neg()`: a copy); as an output it is refused (outputs are written in place, and
-  writing the raw memory would store the negated result).  Recognised by duck typing (the
-  object has `is_neg` and `is_conj`), so torch is never imported here.
-* NumPy has no bfloat16 for DLPack's kDLBfloat.  When `np.from_dlpack` refuses a producer, the
-  producer's capsule is read here: a 16-bit kDLBfloat tensor (any producer: torch, JAX, ...) is
-  relabelled kDLUInt 16 in its own capsule, viewed by NumPy as uint16 - the same memory,
-  writable when the producer allows - and that view is viewed as ml_dtypes.bfloat16.  Without
-  ml_dtypes such a tensor is refused with a TypeError that says to install it.
+NumPy arrays are read directly; anything else goes through NumPy once (DLPack, buffers, lists:
+bnbw_native._dlpack, which also says how lazy torch views and bfloat16 over DLPack are read).
 """
-import numbers
-import warnings
-
 import numpy as np
 
 cimport numpy as cnp
 from cpython.mem cimport PyMem_Malloc, PyMem_Free
-from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, strncpy
 
 from bnbw_native._vocabulary cimport (
@@ -42,12 +25,12 @@ from bnbw_native._vocabulary cimport (
     DO_FROZEN, DO_REDUCE, DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS,
     DO_PARAMS_FROM_SUMS, bnbw_status, BNBW_OK)
 from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Convention, FAMILY_ARRAYS,
-                                 FAMILY_DIRECTML, NAME_EPSILON, NAME_CAP, MESSAGE_CAP,
-                                 check_call, layout_of, check_epsilon_value, copy_name,
+                                 FAMILY_DIRECTML, MESSAGE_CAP, check_call, layout_of, copy_name,
                                  parse_real, raise_status)
 from bnbw_native._engine cimport engine_run, engine_describe
 
-from bnbw_native._engine import requested_threads
+from bnbw_native._dlpack import as_array, output_array
+from bnbw_native._rules import check_count, requested_threads
 
 cnp.import_array()
 
@@ -114,7 +97,7 @@ cdef object _strided = None       # torch.strided
 
 
 cdef inline bint _lazy_tensor(t) except -1:
-    """A tensor whose memory holds -x or conj(x), not its values (see _lazy_bit)."""
+    """A tensor whose memory holds -x or conj(x), not its values (see bnbw_native._dlpack)."""
     return t.is_neg() or t.is_conj()
 
 
@@ -161,151 +144,6 @@ cdef bint _fill_tensor(Arg *a, t) except -1:
     return True
 
 
-# ---- DLPack: the capsule's own structs (dlpack.h, ABI 0.x and 1.x), to read its dtype ----
-
-ctypedef struct DLDevice:
-    int32_t device_type
-    int32_t device_id
-
-ctypedef struct DLDataType:
-    uint8_t code
-    uint8_t bits
-    uint16_t lanes
-
-ctypedef struct DLTensor:
-    void *data
-    DLDevice device
-    int32_t ndim
-    DLDataType dtype
-    int64_t *shape
-    int64_t *strides
-    uint64_t byte_offset
-
-ctypedef struct DLManagedTensor:                 # capsule "dltensor" (0.x)
-    DLTensor dl_tensor
-    void *manager_ctx
-    void *deleter
-
-ctypedef struct DLPackVersion:
-    uint32_t major
-    uint32_t minor
-
-ctypedef struct DLManagedTensorVersioned:        # capsule "dltensor_versioned" (1.x)
-    DLPackVersion version
-    void *manager_ctx
-    void *deleter
-    uint64_t flags
-    DLTensor dl_tensor
-
-cdef enum:
-    DL_CPU = 1          # DLDeviceType kDLCPU
-    DL_UINT = 1         # DLDataTypeCode kDLUInt
-    DL_BFLOAT = 4       # DLDataTypeCode kDLBfloat
-
-
-class _NeedsMlDtypes(TypeError):
-    """A bfloat16 tensor met without ml_dtypes: the message says to install it."""
-
-
-class _Relabelled:
-    """A DLPack producer handing NumPy one capsule that was already exported (and relabelled)."""
-
-    def __init__(self, capsule, device):
-        self.capsule, self.device = capsule, device
-
-    def __dlpack__(self, **kwargs):
-        return self.capsule
-
-    def __dlpack_device__(self):
-        return self.device
-
-
-cdef DLTensor *_capsule_tensor(capsule):
-    """The DLTensor of an unconsumed DLPack capsule, or NULL."""
-    if PyCapsule_IsValid(capsule, b"dltensor_versioned"):
-        return &(<DLManagedTensorVersioned *> PyCapsule_GetPointer(
-            capsule, b"dltensor_versioned")).dl_tensor
-    if PyCapsule_IsValid(capsule, b"dltensor"):
-        return &(<DLManagedTensor *> PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
-    return NULL
-
-
-def _bfloat16_from_dlpack(obj, name):
-    """obj's memory as an ml_dtypes.bfloat16 array when obj exports a 16-bit kDLBfloat tensor
-    (the same memory: NumPy reads it as uint16), else None."""
-    cdef DLTensor *t
-    try:
-        try:
-            capsule = obj.__dlpack__(max_version=(1, 0))
-        except TypeError:                       # a producer from before DLPack 1.0
-            capsule = obj.__dlpack__()
-        device = obj.__dlpack_device__()
-    except Exception:  # the export itself fails: the caller reports NumPy's own refusal
-        return None
-    t = _capsule_tensor(capsule)
-    if t == NULL or t.device.device_type != DL_CPU or t.dtype.code != DL_BFLOAT \
-            or t.dtype.bits != 16 or t.dtype.lanes != 1:
-        return None
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise _NeedsMlDtypes(f"{name} is a bfloat16 tensor; reading bfloat16 needs "
-                             "ml_dtypes: install it (pip install ml_dtypes, or "
-                             "bnbw_native[bf16])") from None
-    t.dtype.code = DL_UINT                      # same bits, a type NumPy knows
-    return np.from_dlpack(_Relabelled(capsule, device)).view(ml_dtypes.bfloat16)
-
-
-def _from_dlpack(obj, name):
-    """np.from_dlpack(obj), bfloat16 producers included (through ml_dtypes)."""
-    try:
-        return np.from_dlpack(obj)
-    except Exception:
-        arr = _bfloat16_from_dlpack(obj, name)
-        if arr is None:
-            raise
-        return arr
-
-
-cdef str _lazy_bit(obj):
-    """Which bit makes a torch tensor's memory differ from its values: "negative" (is_neg())
-    or "conjugate" (is_conj()); None for everything else."""
-    is_neg = getattr(obj, "is_neg", None)
-    is_conj = getattr(obj, "is_conj", None)
-    if is_neg is None or is_conj is None:
-        return None
-    if is_neg():
-        return "negative"
-    if is_conj():
-        return "conjugate"
-    return None
-
-
-def as_array(obj, name):
-    """An ndarray viewing `obj` (ndarray, DLPack producer, buffer or array interface), without
-    a copy where NumPy can avoid one; TypeError naming `name` for anything that is not an
-    array of numbers.  A torch tensor with the negative or conjugate bit is resolved (a copy):
-    its memory does not hold its values."""
-    if isinstance(obj, np.ndarray):
-        return obj
-    if obj is None or isinstance(obj, (str, bytes, numbers.Number)):
-        raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
-    if _lazy_bit(obj) is not None:
-        obj = obj.resolve_conj().resolve_neg()
-    try:
-        if hasattr(obj, "__dlpack__"):
-            return _from_dlpack(obj, name)
-        arr = np.asarray(obj)
-    except _NeedsMlDtypes:
-        raise
-    except Exception as exc:  # any failure to view the object is a wrong kind of object
-        raise TypeError(f"{name} must be an array (NumPy, buffer or DLPack), "
-                        f"got {type(obj).__name__} ({exc})") from exc
-    if arr.dtype == object:
-        raise TypeError(f"{name} must be an array of numbers, got {type(obj).__name__}")
-    return arr
-
-
 cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep,
                         bint tensors):
     """An input argument: any array-like; copied only when the kernels could not read it in
@@ -335,107 +173,17 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
 
 cdef object _output(object obj, Arg *a, str label, bint tensors):
     """A given output: a NumPy array, or a DLPack producer written in place (a tensor in place
-    when `tensors`).  Returns the array that views it.  A torch tensor with the negative or
-    conjugate bit is refused: its memory holds -x (or conj(x)), so results written there would
-    read back wrong."""
+    when `tensors`).  Returns the array that views it."""
     if tensors and _fill_tensor(a, obj):
         return obj
     if cnp.PyArray_Check(obj):
         arr = obj
     elif hasattr(obj, "__dlpack__"):
-        bit = _lazy_bit(obj)
-        if bit is not None:
-            method = "is_neg" if bit == "negative" else "is_conj"
-            raise ValueError(f"{label} is a tensor with the {bit} bit set ({method}() is "
-                             "True): its memory does not hold its values, and outputs are "
-                             "written in place; pass a tensor without it (e.g. a new "
-                             "torch.empty_like) and copy the result over")
-        try:
-            arr = _from_dlpack(obj, label)
-        except _NeedsMlDtypes:
-            raise
-        except Exception as exc:  # requires grad, a read-only legacy capsule, GPU
-            if "readonly" in str(exc).replace("-", "").replace(" ", "").lower():
-                raise ValueError(f"{label} is read-only; outputs must be writable") from exc
-            raise TypeError(f"{label} must be a writable CPU array; its DLPack export "
-                            f"failed: {exc}") from exc
+        arr = output_array(obj, label)
     else:
         raise TypeError(f"{label} must be a NumPy array, got {type(obj).__name__}")
     _fill(a, <cnp.ndarray> arr)
     return arr
-
-
-def check_choice(value, name, choices):
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, one of {', '.join(choices)}; "
-                        f"got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-class DataFormatWarning(UserWarning):
-    """A torch tensor of rank 3 or more reached an array front-end under the default
-    data_format "NXC" (channels last): torch tensors carry (N, C, *) sizes whatever their
-    memory format, so such a call most likely wants data_format="NCX"."""
-
-
-# The default data_format: "NXC" as the conventions define it, a plain str, but an object of
-# its own (made at run time, so never the interned "NXC" of a caller's code): identity tells
-# the default from a caller's explicit "NXC".
-NXC_DEFAULT = str(bytearray(b"NXC"), "ascii")
-
-# what each data_format is called elsewhere: named when a caller passes one of those
-_FORMAT_NAMES = {"NXC": "channels last: NWC, NHWC, NDHWC", "NCX": "channel axis 1: NCW, NCHW, "
-                                                                  "NCDHW"}
-
-
-def check_data_format(value, src, int stacklevel=2):
-    """`value` as a plain "NXC" or "NCX".  The default with a torch tensor of rank 3 or more
-    as `src` warns (DataFormatWarning): its sizes are (N, C, *) in any memory format.
-    `stacklevel`: the caller's Python frame to name (2: the front-end's caller)."""
-    if value is NXC_DEFAULT:
-        if not cnp.PyArray_Check(src):
-            _warn_if_torch(src, stacklevel)      # (compiled frames do not count)
-        return "NXC"
-    if isinstance(value, str):
-        if value in _FORMAT_NAMES:
-            return str(value)
-        raise ValueError(f"data_format must be one of NXC, NCX (NXC: "
-                         f"{_FORMAT_NAMES['NXC']}; NCX: {_FORMAT_NAMES['NCX']}), got {value!r}")
-    return check_choice(value, "data_format", tuple(_FORMAT_NAMES))     # raises TypeError
-
-
-cdef _warn_if_torch(src, int stacklevel):
-    """The DataFormatWarning of check_data_format, for a torch tensor of rank 3 or more."""
-    if type(src).__module__.split(".")[0] == "torch" and getattr(src, "ndim", 0) >= 3:
-        sizes = tuple(src.shape)
-        warnings.warn(
-            f"data_format defaults to 'NXC' (channels on the last axis), so this torch tensor "
-            f"of sizes {sizes} is normalised over {sizes[len(sizes) - 1]} channels; "
-            f"torch tensors have (N, C, *) sizes in any memory format: pass data_format='NCX' "
-            f"for them (or data_format='NXC' for a tensor that really is channels-last)",
-            DataFormatWarning, stacklevel=stacklevel)
-
-
-def check_int_choice(value, name, choices):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, one of {choices}, got {type(value).__name__}")
-    if int(value) not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value}")
-    return int(value)
-
-
-def check_epsilon(value, name="epsilon"):
-    """The f32 epsilon as a Python float, or TypeError / ValueError."""
-    cdef Epsilon e
-    cdef Rules r
-    cdef char msg[MESSAGE_CAP]
-    parse_real(value, &e, name)
-    copy_name(r.names[NAME_EPSILON], name, NAME_CAP)
-    if check_epsilon_value(&r, &e, msg, MESSAGE_CAP) != BNBW_OK:
-        raise ValueError(msg.decode())
-    return float(<float> e.value)
 
 
 # ---------------------------------------------------------------------------------------
@@ -514,14 +262,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
         except TypeError:
             raise TypeError("partial must be a float64 array of shape (2, C) from "
                             "backward_reduce") from None
-        if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral):
-            raise TypeError(f"count must be an int, got {type(count).__name__}")
-        if count < 0:
-            raise ValueError(f"count must be a non-negative int, the global element count "
-                             f"per channel (at least the local one), got {count}")
-        if count >= 2 ** 63:
-            raise ValueError(f"count must be below 2**63, got {count}")
-        c.count = count
+        c.count = check_count(count)
     n_out = 0
     if reduce_only or r.family != FAMILY_ARRAYS:
         n_out = 0
@@ -578,8 +319,6 @@ cdef object _run(Convention conv, const Call *c, Arg *a, results):
     layout_of(&conv.rules, a, c.axis, &layout)
     for t in range(N_SLOTS):
         ptr[t] = a[t].data if a[t].present else NULL
-    if not a[S_DY].present:
-        ptr[S_DY] = ptr[S_X]         # the forward reads x only; it plans with x in dy's place
     if c.op & ~OP_EXACT_SUMS == DO_FROZEN_DX:
         ptr[S_SCALE] = NULL          # diff_src only: gamma validated, then ignored
     if not (c.op & OP_FORWARD):

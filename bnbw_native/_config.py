@@ -17,7 +17,7 @@ from typing import IO, Any, Literal, Optional, overload
 
 import numpy as np
 
-from . import _engine
+from . import _engine, _rules
 
 __version__ = "0.1.0"
 
@@ -29,13 +29,13 @@ if hasattr(os, "register_at_fork"):
 
 # A thread count above this is refused as a mistake; a call runs on at most the CPUs this
 # process may use, whatever it asks for.
-MAX_THREADS = _engine.MAX_THREADS
+MAX_THREADS = _rules.MAX_THREADS
 
 
 def set_num_threads(n: Optional[int]) -> None:
     """Set the package default thread count; None (the initial state) follows OpenMP.  The
     default serves every call without num_threads=, C API calls with 0 threads included."""
-    _engine.set_default_threads(_engine.requested_threads(n, "n"))
+    _engine.set_default_threads(_rules.requested_threads(n, "n"))
 
 
 def get_num_threads() -> int:

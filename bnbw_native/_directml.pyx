@@ -36,15 +36,16 @@ from bnbw_native._vocabulary cimport (
     BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT,
     BNBW_ERROR_OPERATOR_TYPE, BNBW_ERROR_OUT_OF_MEMORY, BNBW_ERROR_ADDRESS)
 from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, MESSAGE_CAP, check_call,
-                                 layout_of, ranges_overlap, type_text, parse_real,
-                                 in_place_input, raise_status)
+                                 layout_of, type_text, parse_real, in_place_input,
+                                 check_threads, raise_status)
+from bnbw_native._overlap cimport ranges_overlap
 from bnbw_native._engine cimport engine_plan, engine_execute, engine_release
 
 import numbers
 
 import numpy as np
 
-from bnbw_native._engine import requested_threads
+from bnbw_native._rules import requested_threads
 
 
 # ---------------------------------------------------------------------------------------
@@ -317,8 +318,9 @@ cdef void op_destroy(OperatorImpl *op) noexcept nogil:
 
 cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,
                             char *msg, size_t cap) noexcept nogil:
-    """ptr: the buffer addresses by slot (NULL for absent optional members).  num_threads 0:
-    the package default (OpenMP's unless bnbw_native.set_num_threads set one)."""
+    """ptr: the buffer addresses by slot (NULL for absent optional members).  num_threads as a
+    C caller gives it (check_threads), 0 the package default (OpenMP's unless
+    bnbw_native.set_num_threads set one)."""
     cdef int i, j, s, o, same
     cdef uintptr_t a, b
     if op == NULL:
@@ -345,8 +347,7 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
                      "the address space", member_name(op, s), <long long> op.t[s].minimum,
                      ptr[s])
             return BNBW_ERROR_ADDRESS
-    if num_threads < 0:
-        snprintf(msg, cap, "num_threads must be >= 0 (0 = the default), got %d", num_threads)
+    if check_threads(num_threads, True, "num_threads", NULL, msg, cap) != BNBW_OK:
         return BNBW_ERROR_NUM_THREADS
     for i in range(op.n_members):
         o = op.members[i]
@@ -373,8 +374,6 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
                 snprintf(msg, cap, "%s overlaps the input %s; output buffers must not "
                          "overlap input buffers", member_name(op, o), member_name(op, s))
             return BNBW_ERROR_OVERLAP
-    if op.op & OP_FORWARD:
-        ptr[S_DY] = ptr[S_X]          # the forward plans with x in dy's place
     if engine_execute(&op.plan, <char **> ptr, op.op, <float> op.eps.value,
                       <float> op.momentum.value, -1, NULL, num_threads) != BNBW_OK:
         snprintf(msg, cap, "out of memory for the reduction buffers")

@@ -12,9 +12,10 @@ on the kernel body this process chose and the thread count resolved here.
 * The kernels (src/body_*.c) are linked into this module only, so one process has one choice of
   body: the best the CPU and the OS support, at most the cap (BNBW_KERNELS, tests, benchmarks).
   Its table goes to the schedules with every call.
-* Threads: `resolve_threads` is the one rule for every caller.  A request of n threads runs on
-  min(n, CPUs this process may use); without a request, the package default, which follows
-  OpenMP read at call time unless set.  Results never depend on it.
+* Threads: `resolve_threads` is the one rule for every caller (what a caller may request is
+  bnbw_native._rules' `check_threads`).  A request of n threads runs on min(n, CPUs this
+  process may use); without a request, the package default, which follows OpenMP read at call
+  time unless set.  Results never depend on it.
 * fork(): libgomp's thread pool does not survive it.  A child whose parent started a team runs
   on its calling thread; a child of a parent that never did keeps its threads.
 """
@@ -27,13 +28,7 @@ from bnbw_native._schedules cimport Schedule, schedule_choose
 from bnbw_native._execute cimport execute
 from bnbw_native._formulas cimport forward_recentre
 
-import numbers
-
 import numpy as np
-
-# More than this is not a thread count but a mistake: refused (a ValueError naming it).
-cdef int MAX_REQUEST = 1 << 15
-MAX_THREADS = MAX_REQUEST
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,22 +58,6 @@ cdef int resolve_threads(int requested) noexcept nogil:
 cdef void team_started() noexcept nogil:
     global _team_started
     _team_started = True
-
-
-def requested_threads(value, name="num_threads"):
-    """A num_threads argument as given: 0 for None, else an int in 1..MAX_THREADS (TypeError
-    or ValueError naming `name` otherwise)."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be None or a positive int, got {type(value).__name__}")
-    value = int(value)
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    if value > MAX_REQUEST:
-        raise ValueError(f"{name} must be at most {MAX_REQUEST}, got {value} (a call runs on "
-                         f"at most the {bnbw_omp_num_procs()} CPUs this process may use)")
-    return value
 
 
 def set_default_threads(int n):

@@ -3,9 +3,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._arrays import (FROZEN_DX, NXC_DEFAULT, TRAINING, backward, check_data_format,
-                      check_int_choice, forward)
-from ._rules import Convention
+from ._arrays import FROZEN_DX, TRAINING, backward, forward
+from ._rules import NXC_DEFAULT, Convention, check_data_format, check_flag, check_int_choice
 
 GRAPH = Convention(dict(x="src", dy="diff_dst", mean="mean", var="variance", scale="gamma",
                         dx="diff_src", dscale="diff_gamma", dbias="diff_beta",
@@ -46,8 +45,7 @@ def batchnorm_training_forward(src, mean, variance, gamma=None, beta=None, *, ep
     Returns a ForwardResult(dst, running_mean, running_variance, batch_mean, batch_variance).
     """
     data_format = check_data_format(data_format, src)
-    if not isinstance(fuse_relu, (bool, np.bool_)):
-        raise TypeError(f"fuse_relu must be True or False, got {type(fuse_relu).__name__}")
+    check_flag(fuse_relu, "fuse_relu")
     return ForwardResult(*forward(FORWARD, src, mean, variance, gamma, beta, epsilon, momentum,
                                   data_format, bool(fuse_relu), out, num_threads))
 

@@ -1,4 +1,4 @@
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t
 
 from bnbw_native._vocabulary cimport Layout, N_ROLES, bnbw_status
 
@@ -10,6 +10,7 @@ cdef enum:
     NAME_DATA_FORMAT = N_ROLES + 1   # empty when the convention has no data_format
     NAME_MOMENTUM = N_ROLES + 2
     N_NAMES = N_ROLES + 3
+    MAX_REQUEST = 32768              # num_threads above this is a mistake (check_threads)
 
 cdef enum Family:
     FAMILY_ARRAYS = 0    # oneDNN Graph, Intel spec, nGraph, two-phase: statistics 1-D of length C
@@ -54,10 +55,10 @@ cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil
 cdef int parse_real(object value, Epsilon *e, str name) except -1
 cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *msg,
                                      size_t cap) noexcept nogil
-cdef bint ranges_overlap(uintptr_t a, uint64_t a_bytes, uintptr_t b,
-                         uint64_t b_bytes) noexcept nogil
 cdef const char *type_text(int dtype) noexcept nogil
 cdef int in_place_input(int op, int output) noexcept nogil
+cdef bnbw_status check_threads(int64_t n, bint zero_is_default, const char *name,
+                               const char *text, char *msg, size_t cap) noexcept nogil
 cdef void copy_name(char *dst, str text, size_t cap)
 cdef raise_status(bnbw_status rc, const char *msg)
 

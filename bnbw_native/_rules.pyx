@@ -12,29 +12,36 @@ outputs (dtype, shape, writable, aligned, no self-overlap) and overlaps between 
 refusal is a bnbw_status and a message naming the argument as the convention calls it; nothing
 has been written then.  `raise_status` is the one map from a status to a Python exception.
 
-`layout_of` turns checked arguments into the engine's Layout, once per call.  Nothing here
+`layout_of` turns checked arguments into the engine's Layout, once per call.  Nothing above
 touches a Python object but the Convention constructor and `raise_status`.
+
+What a Python caller gives besides arrays is checked here too, before any array is read: the
+choices (data_format, num_outputs), flags, epsilon, the two-phase count.  `check_threads` is the
+one rule for num_threads: Python callers' through `requested_threads`, C callers' through the
+DirectML operator's execute (where 0 is the default, as include/bnbw_native.h says).
 """
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t
 from libc.stdio cimport snprintf
 from libc.string cimport memset, strcmp, strncpy
 from libc.math cimport isfinite, INFINITY
 
 import numbers
+import warnings
 
 import numpy as np
 
+cimport numpy as cnp
+from bnbw_native._overlap cimport may_share, self_overlap, same_view
 from bnbw_native._vocabulary cimport (
     Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR,
     S_SCALE, S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL,
     DT_F64, OP_GIVEN_SUMS, OP_FORWARD, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR,
-    itemsize, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
+    bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
     BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_OVERLAP,
-    BNBW_ERROR_EPSILON, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY)
+    BNBW_ERROR_EPSILON, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY,
+    bnbw_omp_num_procs)
 
-cdef enum:
-    OVERLAP_BUDGET = 1000000     # search nodes before an overlap is refused as undecided
-
+cnp.import_array()
 
 # ---------------------------------------------------------------------------------------
 # Messages
@@ -67,194 +74,6 @@ cdef void _shape_text(char *buf, size_t cap, int ndim, const int64_t *shape) noe
                          "," if ndim == 1 else (", " if d + 1 < ndim else ""))
     if used < cap:
         snprintf(buf + used, cap - used, ")")
-
-
-# ---------------------------------------------------------------------------------------
-# Overlap: exact, within a search budget
-# ---------------------------------------------------------------------------------------
-
-cdef inline int64_t _floor_div(int64_t a, int64_t b) noexcept nogil:
-    cdef int64_t q = a // b     # cdivision: truncates toward zero
-    if a % b != 0 and (a < 0) != (b < 0):
-        q -= 1
-    return q
-
-
-cdef int _solve(int m, const int64_t *n, const int64_t *c, const int64_t *reach, int i,
-                int64_t lo, int64_t hi, int64_t *budget) noexcept nogil:
-    """1 when integers 0 <= k_j < n_j (j >= i) make lo <= sum k_j c_j <= hi, 0 when none do,
-    -1 when the budget ran out.  c sorted descending and positive; reach[j] is the largest
-    sum dims j.. can make."""
-    cdef int64_t k, k_lo, k_hi
-    cdef int r
-    if hi < 0 or lo > reach[i]:
-        return 0
-    if i == m:
-        return 1
-    budget[0] -= 1
-    if budget[0] < 0:
-        return -1
-    k_lo = -_floor_div(reach[i + 1] - lo, c[i])      # ceil((lo - reach) / c)
-    k_hi = _floor_div(hi, c[i])
-    if k_lo < 0:
-        k_lo = 0
-    if k_hi > n[i] - 1:
-        k_hi = n[i] - 1
-    k = k_lo
-    while k <= k_hi:
-        r = _solve(m, n, c, reach, i + 1, lo - k * c[i], hi - k * c[i], budget)
-        if r != 0:
-            return r
-        k += 1
-    return 0
-
-
-cdef bint ranges_overlap(uintptr_t a, uint64_t a_bytes, uintptr_t b,
-                         uint64_t b_bytes) noexcept nogil:
-    """Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte, by differences only: no
-    end address is formed, so nothing wraps near the top of memory."""
-    if a_bytes == 0 or b_bytes == 0:
-        return False
-    if a <= b:
-        return b - a < a_bytes
-    return a - b < b_bytes
-
-
-cdef void _bounds(const Arg *a, uintptr_t *lo, uint64_t *nbytes) noexcept nogil:
-    """The byte range [lo, lo + nbytes) the elements of `a` occupy (nbytes 0: none)."""
-    cdef int64_t extent, low = 0, high = 0
-    cdef int d
-    lo[0] = <uintptr_t> a.data
-    nbytes[0] = 0
-    for d in range(a.ndim):
-        if a.shape[d] == 0:
-            return
-    for d in range(a.ndim):
-        extent = (a.shape[d] - 1) * a.strides[d]
-        if extent < 0:
-            low += extent
-        else:
-            high += extent
-    lo[0] = lo[0] + <uintptr_t> low          # wraps back below data: low <= 0
-    nbytes[0] = <uint64_t> (high - low) + (itemsize(a.dtype) if a.dtype != DT_OTHER else 1)
-
-
-cdef int _may_share(const Arg *a, const Arg *b) noexcept nogil:
-    """0 when no element of a shares a byte with an element of b, 1 when one does, -1 when
-    the search could not decide."""
-    cdef uintptr_t alo, blo
-    cdef uint64_t abytes, bbytes
-    cdef int64_t v, size, tmp
-    cdef int64_t n[2 * ARG_DIMS]
-    cdef int64_t c[2 * ARG_DIMS]
-    cdef int64_t reach[2 * ARG_DIMS + 1]
-    cdef int64_t const = 0, budget = OVERLAP_BUDGET
-    cdef int m = 0, d, i, j
-    _bounds(a, &alo, &abytes)
-    _bounds(b, &blo, &bbytes)
-    if not ranges_overlap(alo, abytes, blo, bbytes):
-        return 0
-    # address(a) - address(b) = const + sum of positive coefficients times 0..n-1 indices;
-    # the elements' bytes meet when that lies in (-size of a, size of b)
-    const = <int64_t> <uintptr_t> a.data - <int64_t> <uintptr_t> b.data
-    for i in range(2):
-        for d in range((a if i == 0 else b).ndim):
-            size = (a if i == 0 else b).shape[d]
-            v = (a if i == 0 else b).strides[d] * (1 if i == 0 else -1)
-            if size <= 1 or v == 0:
-                continue
-            if v < 0:
-                const += v * (size - 1)
-                v = -v
-            n[m] = size
-            c[m] = v
-            m += 1
-    for i in range(1, m):                  # insertion sort, descending coefficients
-        j = i
-        while j > 0 and c[j - 1] < c[j]:
-            tmp = c[j - 1]; c[j - 1] = c[j]; c[j] = tmp
-            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
-            j -= 1
-    reach[m] = 0
-    for i in range(m - 1, -1, -1):
-        reach[i] = reach[i + 1] + (n[i] - 1) * c[i]
-    return _solve(m, n, c, reach, 0, -(itemsize(a.dtype) - 1) - const,
-                  itemsize(b.dtype) - 1 - const, &budget)
-
-
-cdef int _collide(const int64_t *n, const int64_t *s, const int64_t *reach, int i, int m,
-                  int64_t target, bint nonzero, int64_t *budget) noexcept nogil:
-    """Is there k_i..k_{m-1}, |k_j| < n_j, with sum k_j * s_j == target (and k nonzero
-    overall)?  1 yes, 0 no, -1 budget exhausted.  s sorted descending."""
-    cdef int64_t lo, hi, k
-    cdef int r
-    if i == m:
-        return 1 if (target == 0 and nonzero) else 0
-    budget[0] -= 1
-    if budget[0] < 0:
-        return -1
-    lo = -_floor_div(reach[i + 1] - target, s[i])
-    hi = _floor_div(target + reach[i + 1], s[i])
-    if lo < 1 - n[i]:
-        lo = 1 - n[i]
-    if hi > n[i] - 1:
-        hi = n[i] - 1
-    k = lo
-    while k <= hi:
-        r = _collide(n, s, reach, i + 1, m, target - k * s[i], nonzero or k != 0, budget)
-        if r != 0:
-            return r
-        k += 1
-    return 0
-
-
-cdef int _self_overlap(const Arg *a, int *zero_dim) noexcept nogil:
-    """0 when no two elements of `a` share memory, 1 when two do, -1 when undecided.  Strides
-    are whole elements (outputs are aligned)."""
-    cdef int64_t n[ARG_DIMS]
-    cdef int64_t s[ARG_DIMS]
-    cdef int64_t reach[ARG_DIMS + 1]
-    cdef int64_t extent = 0, tmp, budget = OVERLAP_BUDGET, isz = itemsize(a.dtype)
-    cdef int m = 0, d, i, j
-    zero_dim[0] = -1
-    for d in range(a.ndim):
-        if a.shape[d] == 0:
-            return 0
-    for d in range(a.ndim):
-        if a.shape[d] > 1:
-            if a.strides[d] == 0:
-                zero_dim[0] = d
-                return 1
-            n[m] = a.shape[d]
-            s[m] = a.strides[d] // isz if a.strides[d] > 0 else -a.strides[d] // isz
-            m += 1
-    for i in range(1, m):                  # insertion sort, descending strides
-        j = i
-        while j > 0 and s[j - 1] < s[j]:
-            tmp = s[j - 1]; s[j - 1] = s[j]; s[j] = tmp
-            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
-            j -= 1
-    # sufficient: each stride beyond everything the smaller strides reach
-    i = m - 1
-    while i >= 0 and s[i] > extent:
-        extent += (n[i] - 1) * s[i]
-        i -= 1
-    if i < 0:
-        return 0
-    reach[m] = 0
-    for i in range(m - 1, -1, -1):
-        reach[i] = reach[i + 1] + (n[i] - 1) * s[i]
-    return _collide(n, s, reach, 0, m, 0, False, &budget)
-
-
-cdef bint _same_view(const Arg *a, const Arg *b) noexcept nogil:
-    cdef int d
-    if a.data != b.data or a.dtype != b.dtype or a.ndim != b.ndim:
-        return False
-    for d in range(a.ndim):
-        if a.shape[d] != b.shape[d] or a.strides[d] != b.strides[d]:
-            return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,7 +154,7 @@ cdef bnbw_status _check_output(const Rules *r, const Arg *a, int role, int want_
         if not a.aligned:
             snprintf(msg, cap, "%s must be aligned to its item size", label)
             return BNBW_ERROR_ALIGNMENT
-    rc = _self_overlap(a, &zero_dim)
+    rc = self_overlap(a, &zero_dim)
     if rc == 0:
         return BNBW_OK
     if r.family == FAMILY_DIRECTML:
@@ -392,7 +211,7 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
         same = in_place_input(op, o)
         for j in range(i + 1, 8):
             k = outputs[j]
-            if a[k].present and a[k].data != NULL and _may_share(&a[o], &a[k]) != 0:
+            if a[k].present and a[k].data != NULL and may_share(&a[o], &a[k]) != 0:
                 snprintf(msg, cap, "%s overlaps %s; outputs must not overlap", r.labels[o],
                          r.labels[k])
                 return BNBW_ERROR_OVERLAP
@@ -400,9 +219,9 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
             k = inputs[j]
             if not a[k].present or a[k].data == NULL:
                 continue
-            if k == same and _same_view(&a[o], &a[k]):
+            if k == same and same_view(&a[o], &a[k]):
                 continue
-            rc = _may_share(&a[o], &a[k])
+            rc = may_share(&a[o], &a[k])
             if rc != 0:
                 if same >= 0:
                     snprintf(msg, cap, "%s overlaps the input %s (only the very same array "
@@ -774,6 +593,159 @@ cdef void copy_name(char *dst, str text, size_t cap):
     encoded = text.encode()[:cap - 1]
     strncpy(dst, encoded, cap - 1)
     dst[cap - 1] = 0
+
+
+# ---------------------------------------------------------------------------------------
+# A Python caller's options, checked before any array is read
+# ---------------------------------------------------------------------------------------
+
+def check_choice(value, name, choices):
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {', '.join(choices)}; "
+                        f"got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+class DataFormatWarning(UserWarning):
+    """A torch tensor of rank 3 or more reached an array front-end under the default
+    data_format "NXC" (channels last): torch tensors carry (N, C, *) sizes whatever their
+    memory format, so such a call most likely wants data_format="NCX"."""
+
+
+# The default data_format: "NXC" as the conventions define it, a plain str, but an object of
+# its own (made at run time, so never the interned "NXC" of a caller's code): identity tells
+# the default from a caller's explicit "NXC".
+NXC_DEFAULT = str(bytearray(b"NXC"), "ascii")
+
+# what each data_format is called elsewhere: named when a caller passes one of those
+_FORMAT_NAMES = {"NXC": "channels last: NWC, NHWC, NDHWC", "NCX": "channel axis 1: NCW, NCHW, "
+                                                                  "NCDHW"}
+
+
+def check_data_format(value, src, int stacklevel=2):
+    """`value` as a plain "NXC" or "NCX".  The default with a torch tensor of rank 3 or more
+    as `src` warns (DataFormatWarning): its sizes are (N, C, *) in any memory format.
+    `stacklevel`: the caller's Python frame to name (2: the front-end's caller)."""
+    if value is NXC_DEFAULT:
+        if not cnp.PyArray_Check(src):
+            _warn_if_torch(src, stacklevel)      # (compiled frames do not count)
+        return "NXC"
+    if isinstance(value, str):
+        if value in _FORMAT_NAMES:
+            return str(value)
+        raise ValueError(f"data_format must be one of NXC, NCX (NXC: "
+                         f"{_FORMAT_NAMES['NXC']}; NCX: {_FORMAT_NAMES['NCX']}), got {value!r}")
+    return check_choice(value, "data_format", tuple(_FORMAT_NAMES))     # raises TypeError
+
+
+cdef _warn_if_torch(src, int stacklevel):
+    """The DataFormatWarning of check_data_format, for a torch tensor of rank 3 or more."""
+    if type(src).__module__.split(".")[0] == "torch" and getattr(src, "ndim", 0) >= 3:
+        sizes = tuple(src.shape)
+        warnings.warn(
+            f"data_format defaults to 'NXC' (channels on the last axis), so this torch tensor "
+            f"of sizes {sizes} is normalised over {sizes[len(sizes) - 1]} channels; "
+            f"torch tensors have (N, C, *) sizes in any memory format: pass data_format='NCX' "
+            f"for them (or data_format='NXC' for a tensor that really is channels-last)",
+            DataFormatWarning, stacklevel=stacklevel)
+
+
+def check_int_choice(value, name, choices):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, one of {choices}, got {type(value).__name__}")
+    if int(value) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value}")
+    return int(value)
+
+
+def check_epsilon(value, name="epsilon"):
+    """The f32 epsilon as a Python float, or TypeError / ValueError."""
+    cdef Epsilon e
+    cdef Rules r
+    cdef char msg[MESSAGE_CAP]
+    parse_real(value, &e, name)
+    copy_name(r.names[NAME_EPSILON], name, NAME_CAP)
+    if check_epsilon_value(&r, &e, msg, MESSAGE_CAP) != BNBW_OK:
+        raise ValueError(msg.decode())
+    return float(<float> e.value)
+
+
+def check_int(value, name):
+    """`value` as an int: a Python or NumPy integer, not a bool (TypeError naming `name`)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def check_flag(value, name):
+    """A True/False option (NumPy's bool too); TypeError naming `name` for anything else."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+
+
+def check_count(count):
+    """The two-phase global element count per channel, an int in 0..2**63 - 1, as given."""
+    check_int(count, "count")
+    if count < 0:
+        raise ValueError(f"count must be a non-negative int, the global element count "
+                         f"per channel (at least the local one), got {count}")
+    if count >= 2 ** 63:
+        raise ValueError(f"count must be below 2**63, got {count}")
+    return count
+
+
+# ---------------------------------------------------------------------------------------
+# Threads: what a caller may ask for (what a call then runs on is the engine's)
+# ---------------------------------------------------------------------------------------
+
+# More than this is not a thread count but a mistake: refused (a ValueError naming it).
+MAX_THREADS = MAX_REQUEST
+
+
+cdef bnbw_status check_threads(int64_t n, bint zero_is_default, const char *name,
+                               const char *text, char *msg, size_t cap) noexcept nogil:
+    """The one thread rule.  A Python caller's num_threads (None, the default, never reaches
+    here) is 1..MAX_THREADS; a C caller's (zero_is_default: include/bnbw_native.h) is >= 0, 0
+    the default, and any larger count runs on the CPUs there are.  `text`: n as the caller's
+    language prints it (NULL: printed from n)."""
+    cdef char number[32]
+    if text == NULL:
+        snprintf(number, 32, "%lld", <long long> n)
+        text = number
+    if zero_is_default:
+        if n >= 0:
+            return BNBW_OK
+        snprintf(msg, cap, "%s must be >= 0 (0 = the default), got %s", name, text)
+        return BNBW_ERROR_NUM_THREADS
+    if n <= 0:
+        snprintf(msg, cap, "%s must be a positive int, got %s", name, text)
+        return BNBW_ERROR_NUM_THREADS
+    if n > MAX_REQUEST:
+        snprintf(msg, cap, "%s must be at most %d, got %s (a call runs on at most the %d CPUs "
+                 "this process may use)", name, <int> MAX_REQUEST, text, bnbw_omp_num_procs())
+        return BNBW_ERROR_NUM_THREADS
+    return BNBW_OK
+
+
+def requested_threads(value, name="num_threads"):
+    """A num_threads argument as given: 0 for None, else an int in 1..MAX_THREADS (TypeError
+    or ValueError naming `name` otherwise)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be None or a positive int, got {type(value).__name__}")
+    value = int(value)
+    # beyond int64 only the sign and "too many" matter; the message prints the value itself,
+    # in full however many digits it has
+    label = name.encode()
+    text = str(value).encode()
+    msg = bytearray(len(label) + len(text) + MESSAGE_CAP)
+    if check_threads(max(-1, min(value, MAX_REQUEST + 1)), False, label, text, msg,
+                     len(msg)) != BNBW_OK:
+        raise ValueError(msg.split(b"\0", 1)[0].decode())
+    return value
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,10 +7,9 @@ Format of `partial`: a C-contiguous float64 array of shape (2, C), row 0 = Sum d
 Sum (x - mean) * dy.  Single-process training equals reduce -> apply bit for bit, because both
 run the same block partition and the same coefficient code.
 """
-from ._arrays import (APPLY, FORWARD_APPLY, FORWARD_REDUCE, NXC_DEFAULT, REDUCE, backward,
-                      check_data_format, forward)
+from ._arrays import APPLY, FORWARD_APPLY, FORWARD_REDUCE, REDUCE, backward, forward
 from ._onednn_graph import BackwardResult
-from ._rules import Convention
+from ._rules import NXC_DEFAULT, Convention, check_data_format
 
 TWO_PHASE = Convention(dict(x="x", dy="dy", mean="mean", var="variance", scale="gamma",
                             dx="diff_src", dscale="diff_gamma", dbias="diff_beta",

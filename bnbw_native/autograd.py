@@ -42,8 +42,8 @@ except ImportError as exc:  # an optional extra
     raise ImportError("bnbw_native.autograd needs PyTorch: pip install 'bnbw_native[torch]'") \
         from exc
 
-from . import _engine, _torch_ops
-from ._arrays import check_epsilon
+from . import _torch_ops
+from ._rules import check_epsilon, requested_threads
 from ._torch_ops import STORAGE
 
 
@@ -51,7 +51,7 @@ def _check_options(eps: float, num_threads: Optional[int]) -> None:
     """eps: finite and > 0 as a float32 (torch would accept a NaN and give NaN outputs);
     num_threads: None (torch's own count, torch.get_num_threads()) or a positive int."""
     check_epsilon(eps, "eps")
-    _engine.requested_threads(num_threads)
+    requested_threads(num_threads)
 
 
 def _check_input(x: Any, num_features: Optional[int]) -> None:

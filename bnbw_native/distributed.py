@@ -27,8 +27,8 @@ the others in the collective until the group's timeout, as with any collective.
 
 torch and mpi4py are optional: they are imported on the first call, never with the package.
 """
-from ._arrays import NXC_DEFAULT, check_data_format, check_epsilon
 from ._onednn_graph import BackwardResult
+from ._rules import NXC_DEFAULT, check_data_format, check_epsilon
 from ._two_phase import backward_apply, backward_reduce
 
 _TORCH_HINT = ("sync_batchnorm_backward needs PyTorch with torch.distributed: "

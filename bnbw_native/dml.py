@@ -25,11 +25,11 @@ Python objects, and array conveniences that go through the validation layer ever
 convention uses.  Refusals are ``TypeError`` (data types, wrong kinds of objects) or
 ``ValueError`` (everything else).
 """
-import numbers
 
 import numpy as np
 
 from . import _arrays, _directml
+from ._rules import check_flag, check_int
 
 __all__ = [
     "TensorDesc",
@@ -59,16 +59,10 @@ def _data_type(value):
     return name
 
 
-def _int(value, name):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value)
-
-
 def _int_tuple(values, name):
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    return tuple(_int(v, f"{name}[{i}]") for i, v in enumerate(values))
+    return tuple(check_int(v, f"{name}[{i}]") for i, v in enumerate(values))
 
 
 class TensorDesc:
@@ -93,7 +87,7 @@ class TensorDesc:
                                  f"got {len(strides)}")
         total = total_tensor_size_in_bytes
         if total is not None:
-            total = _int(total, "total_tensor_size_in_bytes")
+            total = check_int(total, "total_tensor_size_in_bytes")
         minimum, total, element_strides = _directml.tensor_sizes(
             (_directml.DATA_TYPES[data_type], sizes, strides, total))
         for slot, value in (("_data_type", data_type), ("_sizes", sizes), ("_strides", strides),
@@ -291,8 +285,7 @@ class BatchNormalizationTraining(_Operator):
     def __init__(self, *, input, mean, variance, output, output_running_mean,
                  output_running_variance, output_batch_mean, output_batch_variance, scale=None,
                  bias=None, epsilon, momentum=0.5, fuse_relu=False):
-        if not isinstance(fuse_relu, (bool, np.bool_)):
-            raise TypeError(f"fuse_relu must be True or False, got {type(fuse_relu).__name__}")
+        check_flag(fuse_relu, "fuse_relu")
         self._compile(dict(zip(_directml.TRAINING_MEMBERS, (
             input, mean, variance, scale, bias, output, output_running_mean,
             output_running_variance, output_batch_mean, output_batch_variance))), epsilon,

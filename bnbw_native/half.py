@@ -16,7 +16,7 @@ Why it is shaped this way:
 """
 import numpy as np
 
-from . import _engine, _half
+from . import _half, _rules
 
 try:
     import ml_dtypes
@@ -87,7 +87,7 @@ def _flat(arr):
 
 
 def _threads(num_threads):
-    return _engine.requested_threads(num_threads)
+    return _rules.requested_threads(num_threads)
 
 
 def _narrow(func, kind, a, out, num_threads, out_dtypes):

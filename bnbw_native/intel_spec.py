@@ -1,6 +1,6 @@
 """Intel spec ``BatchNormTrainingBackprop-1``: the training gradient."""
-from ._arrays import NXC_DEFAULT, TRAINING, backward, check_data_format
-from ._rules import Convention
+from ._arrays import TRAINING, backward
+from ._rules import NXC_DEFAULT, Convention, check_data_format
 
 INTEL = Convention(dict(x="input_forward", dy="output_delta", mean="mean", var="variance",
                         scale="gamma", dx="input_delta", dscale="gamma_delta",

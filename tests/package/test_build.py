@@ -13,8 +13,8 @@ import bnbw_native
 from bnbw_native import _config, _engine
 from cext import ROOT, c_compiler
 
-COMPILED = ("_plan", "_schedules", "_execute", "_engine", "_rules", "_arrays", "_directml", "_capi",
-            "_half")
+COMPILED = ("_plan", "_schedules", "_execute", "_engine", "_overlap", "_rules", "_dlpack",
+            "_arrays", "_directml", "_capi", "_half")
 
 
 @pytest.fixture(scope="module")

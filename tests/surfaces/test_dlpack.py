@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import bnbw_native as bn
-from bnbw_native import _arrays
+from bnbw_native import _dlpack
 from error_bounds import same_bits
 
 torch = pytest.importorskip("torch")
@@ -72,7 +72,7 @@ def numpy_result(x, dy, mean, var, gamma, data_format):
 ])
 def test_tensor_inputs_are_viewed_not_copied(make):
     t = make(torch.randn(6, 5, 4, 7))
-    arr = _arrays.as_array(t, "x")
+    arr = _dlpack.as_array(t, "x")
     assert address(arr) == address(t)
     assert arr.strides == tuple(s * 4 for s in t.stride())
     assert np.array_equal(arr, t.numpy())

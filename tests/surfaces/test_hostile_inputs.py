@@ -733,9 +733,9 @@ def test_bfloat16_tensors_are_accepted(front_end, stats_bf16):
 @needs_torch
 @needs_bf16
 def test_bfloat16_tensor_inputs_are_viewed_not_copied():
-    from bnbw_native import _arrays
+    from bnbw_native import _dlpack
     t = torch.randn(6, 5, 4).bfloat16().transpose(0, 2)
-    arr = _arrays.as_array(t, "src")
+    arr = _dlpack.as_array(t, "src")
     assert arr.dtype == BF16 and address(arr) == t.data_ptr()
     assert arr.strides == tuple(2 * s for s in t.stride())
     assert np.array_equal(arr.astype(np.float32), t.float().numpy())

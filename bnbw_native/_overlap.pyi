@@ -1,0 +1,1 @@
+# Whether memory is shared, decided exactly (compiled from _overlap.pyx); no Python names.
