@@ -21,7 +21,8 @@ from bnbw_native._vocabulary cimport (
     BNBW_API_VERSION, BNBW_CAPSULE_NAME)
 from bnbw_native._rules cimport Epsilon, epsilon_of_float
 from bnbw_native._directml cimport (Tensor, OperatorImpl, layout_check, default_total,
-                                    op_create, op_create_training, op_execute, op_destroy)
+                                    op_create, op_create_training, op_bind, op_execute,
+                                    op_destroy)
 
 cdef extern from *:
     """
@@ -69,34 +70,27 @@ cdef bnbw_status c_create_operator(bnbw_operator_type type,
                      BNBW_MESSAGE_CAP)
 
 
-cdef bnbw_status _execute(const bnbw_operator *op, bint training, const void **members,
+cdef bnbw_status _execute(const bnbw_operator *op, bint training, const void *bindings,
                           int num_threads) noexcept nogil:
-    """Run `op` on buffers given in its members' order, after checking that it is of the kind
-    this execute runs (a NULL op is op_execute's to refuse)."""
+    """Run `op` on its family's bindings struct, after checking that it is of the kind this
+    execute runs (a NULL op is op_execute's to refuse)."""
     cdef const OperatorImpl *impl = <const OperatorImpl *> op
     cdef const void *ptr[N_SLOTS]
-    cdef int i
+    if bindings == NULL:
+        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
     if impl != NULL and (impl.op & OP_FORWARD != 0) != training:
         snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "op: a %s operator; run it with %s",
                  "gradient" if training else "training-forward",
                  "execute" if training else "execute_training")
         return BNBW_ERROR_OPERATOR_TYPE
-    for i in range(N_SLOTS):
-        ptr[i] = NULL
-    for i in range(impl.n_members if impl != NULL else 0):
-        ptr[impl.members[i]] = members[i]
+    op_bind(impl, bindings, ptr)
     return op_execute(impl, ptr, num_threads, bnbw_thread_message(), BNBW_MESSAGE_CAP)
 
 
 cdef bnbw_status c_execute(const bnbw_operator *op, const bnbw_bindings *b,
                            int num_threads) noexcept nogil:
-    cdef const void *members[8]
-    if b == NULL:
-        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
-        return BNBW_ERROR_NULL_POINTER
-    members[:] = [b.input, b.input_gradient, b.mean, b.variance, b.scale, b.output_gradient,
-                  b.output_scale_gradient, b.output_bias_gradient]
-    return _execute(op, False, members, num_threads)
+    return _execute(op, False, b, num_threads)
 
 
 cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_training_desc *desc,
@@ -110,13 +104,7 @@ cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_train
 
 cdef bnbw_status c_execute_training(const bnbw_operator *op, const bnbw_training_bindings *b,
                                     int num_threads) noexcept nogil:
-    cdef const void *members[10]
-    if b == NULL:
-        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
-        return BNBW_ERROR_NULL_POINTER
-    members[:] = [b.input, b.mean, b.variance, b.scale, b.bias, b.output, b.output_running_mean,
-                  b.output_running_variance, b.output_batch_mean, b.output_batch_variance]
-    return _execute(op, True, members, num_threads)
+    return _execute(op, True, b, num_threads)
 
 
 cdef void c_destroy_operator(bnbw_operator *op) noexcept nogil:

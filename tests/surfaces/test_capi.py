@@ -287,6 +287,24 @@ def test_header_with_python_compiles_quietly():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("desc, bindings, table", [
+    ("bnbw_batch_normalization_grad_desc", "bnbw_bindings", "GRAD_TABLE"),
+    ("bnbw_batch_normalization_training_desc", "bnbw_training_bindings", "TRAINING_TABLE")])
+def test_structs_hold_the_member_table(desc, bindings, table):
+    """_directml copies these structs as arrays of member pointers (its build-time check holds
+    them to be pointers); here their fields' names and order are the member table's."""
+    import re
+    from bnbw_native import _directml
+    header = (INCLUDE / "bnbw_native.h").read_text()
+
+    def fields(struct):
+        body = re.search(r"typedef struct %s \{(.*?)\}" % struct, header, re.S).group(1)
+        return re.findall(r"^\s*(?:const )?(\w+) \*(\w+);", body, re.M)
+    names = [row[0] for row in getattr(_directml, table)]
+    assert fields(desc) == [("bnbw_tensor_desc", name) for name in names]
+    assert fields(bindings) == [("void", name) for name in names]
+
+
 def test_capsule():
     from bnbw_native import _capi
     assert type(_capi._C_API).__name__ == "PyCapsule"
