@@ -83,8 +83,9 @@ cdef extern from *:
     """
     /* The operator descriptors open with, and the bindings are, one pointer per member in
      * member order (include/bnbw_native.h), so _directml copies them as arrays of pointers
-     * (copy_members); the build stops here if a field of another kind comes in among them.
-     * tests/surfaces/test_capi.py holds the fields' names to the member tables. */
+     * (copy_members).  The build stops here unless each descriptor's run of pointers is as
+     * long as its bindings; tests/surfaces/test_capi.py holds every field's name and type to
+     * the member tables. */
     #define BNBW_GRAD_MEMBERS (sizeof(bnbw_bindings) / sizeof(void *))
     #define BNBW_TRAINING_MEMBERS (sizeof(bnbw_training_bindings) / sizeof(void *))
     #define BNBW_MAX_MEMBERS (BNBW_GRAD_MEMBERS > BNBW_TRAINING_MEMBERS ? BNBW_GRAD_MEMBERS \

@@ -291,18 +291,20 @@ def test_header_with_python_compiles_quietly():
     ("bnbw_batch_normalization_grad_desc", "bnbw_bindings", "GRAD_TABLE"),
     ("bnbw_batch_normalization_training_desc", "bnbw_training_bindings", "TRAINING_TABLE")])
 def test_structs_hold_the_member_table(desc, bindings, table):
-    """_directml copies these structs as arrays of member pointers (its build-time check holds
-    them to be pointers); here their fields' names and order are the member table's."""
+    """_directml copies these structs as arrays of member pointers: every field, by name and
+    type, is the member table's, in its order (the descriptors then epsilon and options)."""
     import re
     from bnbw_native import _directml
     header = (INCLUDE / "bnbw_native.h").read_text()
 
     def fields(struct):
         body = re.search(r"typedef struct %s \{(.*?)\}" % struct, header, re.S).group(1)
-        return re.findall(r"^\s*(?:const )?(\w+) \*(\w+);", body, re.M)
-    names = [row[0] for row in getattr(_directml, table)]
-    assert fields(desc) == [("bnbw_tensor_desc", name) for name in names]
-    assert fields(bindings) == [("void", name) for name in names]
+        return re.findall(r"^\s*([^;/]+?)\s*;", body, re.M)
+    rows = getattr(_directml, table)
+    members = [f"const bnbw_tensor_desc *{name}" for name, _, _ in rows]
+    assert fields(desc)[:len(rows) + 1] == members + ["float epsilon"]
+    assert fields(bindings) == [f"{'' if role == 'output' else 'const '}void *{name}"
+                                for name, _, role in rows]
 
 
 def test_capsule():
