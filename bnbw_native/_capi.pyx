@@ -13,15 +13,13 @@ from cpython.pycapsule cimport PyCapsule_New
 from bnbw_native._vocabulary cimport (
     N_SLOTS, OP_FORWARD, bnbw_data_type, bnbw_operator_type,
     bnbw_batch_normalization_grad_desc, bnbw_batch_normalization_training_desc, bnbw_bindings,
-    bnbw_training_bindings, bnbw_status,
-    BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT,
-    BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES, BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP,
-    BNBW_ERROR_EPSILON, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OPERATOR_TYPE,
-    BNBW_ERROR_OUT_OF_MEMORY, BNBW_ERROR_ADDRESS, bnbw_operator, bnbw_api_table,
-    BNBW_API_VERSION, BNBW_CAPSULE_NAME)
+    bnbw_training_bindings, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
+    BNBW_ERROR_OPERATOR_TYPE, bnbw_operator, bnbw_api_table, BNBW_API_VERSION,
+    BNBW_CAPSULE_NAME)
 from bnbw_native._rules cimport Epsilon, epsilon_of_float
 from bnbw_native._directml cimport (Tensor, OperatorImpl, layout_check, default_total,
-                                    op_create, op_create_training, op_execute, op_destroy)
+                                    op_create, op_create_training, op_bind, op_execute,
+                                    op_destroy)
 
 cdef extern from *:
     """
@@ -69,34 +67,27 @@ cdef bnbw_status c_create_operator(bnbw_operator_type type,
                      BNBW_MESSAGE_CAP)
 
 
-cdef bnbw_status _execute(const bnbw_operator *op, bint training, const void **members,
+cdef bnbw_status _execute(const bnbw_operator *op, bint training, const void *bindings,
                           int num_threads) noexcept nogil:
-    """Run `op` on buffers given in its members' order, after checking that it is of the kind
-    this execute runs (a NULL op is op_execute's to refuse)."""
+    """Run `op` on its family's bindings struct, after checking that it is of the kind this
+    execute runs (a NULL op is op_execute's to refuse)."""
     cdef const OperatorImpl *impl = <const OperatorImpl *> op
     cdef const void *ptr[N_SLOTS]
-    cdef int i
+    if bindings == NULL:
+        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
+        return BNBW_ERROR_NULL_POINTER
     if impl != NULL and (impl.op & OP_FORWARD != 0) != training:
         snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "op: a %s operator; run it with %s",
                  "gradient" if training else "training-forward",
                  "execute" if training else "execute_training")
         return BNBW_ERROR_OPERATOR_TYPE
-    for i in range(N_SLOTS):
-        ptr[i] = NULL
-    for i in range(impl.n_members if impl != NULL else 0):
-        ptr[impl.members[i]] = members[i]
+    op_bind(impl, bindings, ptr)
     return op_execute(impl, ptr, num_threads, bnbw_thread_message(), BNBW_MESSAGE_CAP)
 
 
 cdef bnbw_status c_execute(const bnbw_operator *op, const bnbw_bindings *b,
                            int num_threads) noexcept nogil:
-    cdef const void *members[8]
-    if b == NULL:
-        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
-        return BNBW_ERROR_NULL_POINTER
-    members[:] = [b.input, b.input_gradient, b.mean, b.variance, b.scale, b.output_gradient,
-                  b.output_scale_gradient, b.output_bias_gradient]
-    return _execute(op, False, members, num_threads)
+    return _execute(op, False, b, num_threads)
 
 
 cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_training_desc *desc,
@@ -110,13 +101,7 @@ cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_train
 
 cdef bnbw_status c_execute_training(const bnbw_operator *op, const bnbw_training_bindings *b,
                                     int num_threads) noexcept nogil:
-    cdef const void *members[10]
-    if b == NULL:
-        snprintf(bnbw_thread_message(), BNBW_MESSAGE_CAP, "bindings: the pointer is NULL")
-        return BNBW_ERROR_NULL_POINTER
-    members[:] = [b.input, b.mean, b.variance, b.scale, b.bias, b.output, b.output_running_mean,
-                  b.output_running_variance, b.output_batch_mean, b.output_batch_variance]
-    return _execute(op, True, members, num_threads)
+    return _execute(op, True, b, num_threads)
 
 
 cdef void c_destroy_operator(bnbw_operator *op) noexcept nogil:
@@ -127,54 +112,32 @@ cdef const char *c_error_message() noexcept nogil:
     return bnbw_thread_message()
 
 
+# The statuses' names without the prefix, by value (include/bnbw_native.h numbers them from 0).
+cdef enum:
+    N_STATUSES = 14
+cdef const char *STATUS_NAMES[N_STATUSES]
+STATUS_NAMES[:] = [b"OK", b"ERROR_NULL_POINTER", b"ERROR_DATA_TYPE", b"ERROR_DIMENSION_COUNT",
+                   b"ERROR_SIZES", b"ERROR_STRIDES", b"ERROR_TOTAL_SIZE", b"ERROR_OVERLAP",
+                   b"ERROR_EPSILON", b"ERROR_NUM_THREADS", b"ERROR_ALIGNMENT",
+                   b"ERROR_OPERATOR_TYPE", b"ERROR_OUT_OF_MEMORY", b"ERROR_ADDRESS"]
+
+
 cdef const char *c_status_name(bnbw_status status) noexcept nogil:
-    if status == BNBW_OK:
-        return "OK"
-    if status == BNBW_ERROR_NULL_POINTER:
-        return "ERROR_NULL_POINTER"
-    if status == BNBW_ERROR_DATA_TYPE:
-        return "ERROR_DATA_TYPE"
-    if status == BNBW_ERROR_DIMENSION_COUNT:
-        return "ERROR_DIMENSION_COUNT"
-    if status == BNBW_ERROR_SIZES:
-        return "ERROR_SIZES"
-    if status == BNBW_ERROR_STRIDES:
-        return "ERROR_STRIDES"
-    if status == BNBW_ERROR_TOTAL_SIZE:
-        return "ERROR_TOTAL_SIZE"
-    if status == BNBW_ERROR_OVERLAP:
-        return "ERROR_OVERLAP"
-    if status == BNBW_ERROR_EPSILON:
-        return "ERROR_EPSILON"
-    if status == BNBW_ERROR_NUM_THREADS:
-        return "ERROR_NUM_THREADS"
-    if status == BNBW_ERROR_ALIGNMENT:
-        return "ERROR_ALIGNMENT"
-    if status == BNBW_ERROR_OPERATOR_TYPE:
-        return "ERROR_OPERATOR_TYPE"
-    if status == BNBW_ERROR_OUT_OF_MEMORY:
-        return "ERROR_OUT_OF_MEMORY"
-    if status == BNBW_ERROR_ADDRESS:
-        return "ERROR_ADDRESS"
+    if <unsigned int> status < N_STATUSES:
+        return STATUS_NAMES[<int> status]
     return "UNKNOWN_STATUS"
 
 
-cdef bnbw_api_table TABLE
-TABLE.version = BNBW_API_VERSION
-TABLE.size = sizeof(bnbw_api_table)
-TABLE.library_version = c_library_version
-TABLE.calc_buffer_tensor_size = c_calc_buffer_tensor_size
-TABLE.create_operator = c_create_operator
-TABLE.execute = c_execute
-TABLE.destroy_operator = c_destroy_operator
-TABLE.error_message = c_error_message
-TABLE.status_name = c_status_name
-TABLE.create_training_operator = c_create_training_operator
-TABLE.execute_training = c_execute_training
+cdef bnbw_api_table TABLE = bnbw_api_table(
+    version=BNBW_API_VERSION, size=sizeof(bnbw_api_table), library_version=c_library_version,
+    calc_buffer_tensor_size=c_calc_buffer_tensor_size, create_operator=c_create_operator,
+    execute=c_execute, destroy_operator=c_destroy_operator, error_message=c_error_message,
+    status_name=c_status_name, create_training_operator=c_create_training_operator,
+    execute_training=c_execute_training)
 
 from bnbw_native._config import __version__ as _version
 strncpy(bnbw_version_text, _version.encode()[:31], 31)
 
-STATUS = {c_status_name(<bnbw_status> code).decode(): code for code in range(14)}
+STATUS = {c_status_name(<bnbw_status> code).decode(): code for code in range(N_STATUSES)}
 
 _C_API = PyCapsule_New(<void *> &TABLE, BNBW_CAPSULE_NAME, NULL)

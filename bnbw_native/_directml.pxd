@@ -14,10 +14,16 @@ ctypedef struct Tensor:
     int64_t minimum              # bytes
     uint64_t total
 
+ctypedef struct Member:
+    # One row of an operator family's member table, as the nogil code reads it.
+    int slot                     # the engine's slot
+    bint output                  # the operator writes it
+    bint optional                # may be absent: a NULL descriptor, then a NULL buffer
+
 ctypedef struct OperatorImpl:
     int op                       # DO_FROZEN, DO_TRAINING or DO_FORWARD (with OP_RELU)
     const Rules *rules           # its convention: the members' names
-    const int *members           # its members' slots, in descriptor order
+    const Member *members        # its family's table, in descriptor order
     int n_members
     Epsilon eps
     Epsilon momentum             # the forward's
@@ -34,6 +40,7 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
 cdef bnbw_status op_create_training(const bnbw_batch_normalization_training_desc *desc,
                                     const Epsilon *eps, const Epsilon *momentum,
                                     OperatorImpl **out, char *msg, size_t cap) noexcept nogil
+cdef void op_bind(const OperatorImpl *op, const void *bindings, const void **ptr) noexcept nogil
 cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,
                             char *msg, size_t cap) noexcept nogil
 cdef void op_destroy(OperatorImpl *op) noexcept nogil

@@ -4,6 +4,9 @@ from typing import Any
 
 from ._rules import Convention
 
+# rows of (name, slot, role), role "input", "optional" or "output", in descriptor order
+GRAD_TABLE: tuple[tuple[str, int, str], ...]
+TRAINING_TABLE: tuple[tuple[str, int, str], ...]
 MEMBERS: tuple[str, ...]
 TRAINING_MEMBERS: tuple[str, ...]
 CONVENTION: Convention

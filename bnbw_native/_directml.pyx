@@ -12,7 +12,8 @@ plan through the engine.  All of it runs without the GIL and touches no Python o
 API (bnbw_native._capi, thin shells over these functions) and bnbw_native.dml (through the
 Python layer at the bottom: `tensor_sizes`, `Operator`) share every rule and message.
 
-Members are indexed by the engine's slots; MEMBER_SLOTS lists them in descriptor order.
+Members are indexed by the engine's slots; each operator family's table (GRAD_TABLE,
+TRAINING_TABLE) lists them in descriptor order with their names and roles.
 Descriptors hold strides in elements; the engine gets byte strides, 0 on size-1 dims (so a huge
 stride on a size-1 dim can never overflow), and the reduced dims "mean's size is 1".  Buffers
 bound at execute time are raw memory regions: two of them overlap when their byte ranges
@@ -21,7 +22,7 @@ bound at execute time are raw memory regions: two of them overlap when their byt
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.stdio cimport snprintf
-from libc.string cimport strncpy
+from libc.string cimport memcpy, strncpy
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous,
                              PyBUF_FULL_RO)
 
@@ -49,40 +50,107 @@ from bnbw_native._rules import requested_threads
 
 
 # ---------------------------------------------------------------------------------------
-# Members, in the order of the DirectML descriptor
+# Members: one table per operator family
 # ---------------------------------------------------------------------------------------
 
-cdef enum:
-    N_MEMBERS = 8             # the gradient operators' members
-    N_TRAINING_MEMBERS = 10   # the training forward's
+# Each family's members in descriptor order: DirectML's name, the engine's slot, the role
+# ("input", "optional": an input that may be absent, "output").  The order is that of the C
+# structs' fields too; every other list of members - the conventions, the C structs as read
+# here, the checks' order, bnbw_native.dml's operators - is derived from these rows.
+GRAD_TABLE = (
+    ("input", S_X, "input"),
+    ("input_gradient", S_DY, "input"),
+    ("mean", S_MEAN, "input"),
+    ("variance", S_VAR, "input"),
+    ("scale", S_SCALE, "input"),
+    ("output_gradient", S_DX, "output"),
+    ("output_scale_gradient", S_DSCALE, "output"),
+    ("output_bias_gradient", S_DBIAS, "output"),
+)
+TRAINING_TABLE = (
+    ("input", S_X, "input"),
+    ("mean", S_MEAN, "input"),
+    ("variance", S_VAR, "input"),
+    ("scale", S_SCALE, "optional"),         # absent: 1
+    ("bias", S_BETA, "optional"),           # absent: 0
+    ("output", S_DX, "output"),
+    ("output_running_mean", S_RUN_MEAN, "output"),
+    ("output_running_variance", S_RUN_VAR, "output"),
+    ("output_batch_mean", S_BATCH_MEAN, "output"),
+    ("output_batch_variance", S_BATCH_VAR, "output"),
+)
 
-cdef int MEMBER_SLOTS[8]
-MEMBER_SLOTS[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_DX, S_DSCALE, S_DBIAS]
-MEMBERS = ("input", "input_gradient", "mean", "variance", "scale", "output_gradient",
-           "output_scale_gradient", "output_bias_gradient")
-cdef int TRAINING_SLOTS[10]
-TRAINING_SLOTS[:] = [S_X, S_MEAN, S_VAR, S_SCALE, S_BETA, S_DX, S_RUN_MEAN, S_RUN_VAR,
-                     S_BATCH_MEAN, S_BATCH_VAR]
-TRAINING_MEMBERS = ("input", "mean", "variance", "scale", "bias", "output",
-                    "output_running_mean", "output_running_variance", "output_batch_mean",
-                    "output_batch_variance")
+cdef extern from *:
+    """
+    /* The operator descriptors open with, and the bindings are, one pointer per member in
+     * member order (include/bnbw_native.h), so _directml copies them as arrays of pointers
+     * (copy_members).  The build stops here unless each descriptor's run of pointers is as
+     * long as its bindings; tests/surfaces/test_capi.py holds every field's name and type to
+     * the member tables. */
+    #define BNBW_GRAD_MEMBERS (sizeof(bnbw_bindings) / sizeof(void *))
+    #define BNBW_TRAINING_MEMBERS (sizeof(bnbw_training_bindings) / sizeof(void *))
+    #define BNBW_MAX_MEMBERS (BNBW_GRAD_MEMBERS > BNBW_TRAINING_MEMBERS ? BNBW_GRAD_MEMBERS \
+                                                                     : BNBW_TRAINING_MEMBERS)
+    _Static_assert(sizeof(const bnbw_tensor_desc *) == sizeof(void *),
+                   "descriptor pointers copy as void pointers");
+    _Static_assert(sizeof(bnbw_bindings) % sizeof(void *) == 0
+                   && offsetof(bnbw_batch_normalization_grad_desc, epsilon)
+                      == BNBW_GRAD_MEMBERS * sizeof(void *),
+                   "bnbw_batch_normalization_grad_desc: one pointer per member, then epsilon");
+    _Static_assert(sizeof(bnbw_training_bindings) % sizeof(void *) == 0
+                   && offsetof(bnbw_batch_normalization_training_desc, epsilon)
+                      == BNBW_TRAINING_MEMBERS * sizeof(void *),
+                   "bnbw_batch_normalization_training_desc: one pointer per member, then epsilon");
+    """
+    enum:
+        BNBW_GRAD_MEMBERS
+        BNBW_TRAINING_MEMBERS
+        BNBW_MAX_MEMBERS
 
-# DirectML's conventions for the validation layer: descriptors here, arrays in bnbw_native.dml.
-CONVENTION = Convention({role: MEMBERS[i] for i, role in enumerate(
-    ("x", "dy", "mean", "var", "scale", "dx", "dscale", "dbias"))}, family="directml",
-    dtype_rule="same", ranks=(1, MAX_DIMS), data_format=False)
-TRAINING_CONVENTION = Convention({role: TRAINING_MEMBERS[i] for i, role in enumerate(
-    ("x", "mean", "var", "scale", "beta", "dx", "run_mean", "run_var", "batch_mean",
-     "batch_var"))}, family="directml", dtype_rule="same", ranks=(1, MAX_DIMS),
-    data_format=False)
+
+cdef Member GRAD_ROWS[BNBW_GRAD_MEMBERS]
+cdef Member TRAINING_ROWS[BNBW_TRAINING_MEMBERS]
+
+
+cdef int _rows(Member *rows, table, Py_ssize_t count) except -1:
+    """A table's rows as the nogil code reads them."""
+    if len(table) != count:
+        raise ImportError(f"a DirectML member table has {len(table)} rows, its C structs "
+                          f"{count} members")
+    for i, (name, slot, role) in enumerate(table):
+        rows[i].slot = slot
+        rows[i].output = role == "output"
+        rows[i].optional = role == "optional"
+    return 0
+
+
+_rows(GRAD_ROWS, GRAD_TABLE, BNBW_GRAD_MEMBERS)
+_rows(TRAINING_ROWS, TRAINING_TABLE, BNBW_TRAINING_MEMBERS)
+MEMBERS = tuple(row[0] for row in GRAD_TABLE)
+TRAINING_MEMBERS = tuple(row[0] for row in TRAINING_TABLE)
+
+
+cdef inline void copy_members(void *dst, const void *src, int n) noexcept nogil:
+    """n members' pointers between a C descriptor or bindings struct and an array (the check
+    above: the struct holds them in member order, one pointer each)."""
+    memcpy(dst, src, n * sizeof(void *))
+
+
+def _convention(table):
+    """DirectML's convention for the validation layer, its names in member order (the order its
+    checks go in): descriptors here, arrays in bnbw_native.dml."""
+    from bnbw_native._rules import ROLES
+    role = {slot: key for key, slot in ROLES.items()}
+    return Convention({role[slot]: name for name, slot, _ in table}, family="directml",
+                      dtype_rule="same", ranks=(1, MAX_DIMS), data_format=False)
+
+
+CONVENTION = _convention(GRAD_TABLE)
+TRAINING_CONVENTION = _convention(TRAINING_TABLE)
 cdef const Rules *RULES = &(<Convention> CONVENTION).rules
 cdef const Rules *TRAINING_RULES = &(<Convention> TRAINING_CONVENTION).rules
 
 cdef int64_t LIMIT = 0x7FFFFFFFFFFFFFFF     # byte extents must fit int64 (engine offsets)
-
-
-cdef inline bint is_output(int slot) noexcept nogil:
-    return slot == S_DX or slot > S_BETA
 
 
 cdef inline const char *member_name(const OperatorImpl *op, int slot) noexcept nogil:
@@ -201,9 +269,9 @@ cdef bnbw_status operator_check(OperatorImpl *op, const bnbw_tensor_desc **descs
         a[i].present = False
         a[i].data = NULL
     for i in range(op.n_members):
-        slot = op.members[i]
-        if descs[i] == NULL and (slot == S_SCALE or slot == S_BETA) and op.op & OP_FORWARD:
-            continue                  # the forward's scale (1) and bias (0) are optional
+        slot = op.members[i].slot
+        if descs[i] == NULL and op.members[i].optional:
+            continue
         rc = tensor_check(descs[i], member_name(op, slot), &op.t[slot], msg, cap)
         if rc != BNBW_OK:
             return rc
@@ -229,7 +297,7 @@ cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
     return True
 
 
-cdef bnbw_status _op_build(int kind, const Rules *rules, const int *members, int n_members,
+cdef bnbw_status _op_build(int kind, const Rules *rules, const Member *members, int n_members,
                            const bnbw_tensor_desc **descs, const Epsilon *eps,
                            const Epsilon *momentum, OperatorImpl **out, char *msg,
                            size_t cap) noexcept nogil:
@@ -280,7 +348,7 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
                            const Epsilon *eps, OperatorImpl **out, char *msg,
                            size_t cap) noexcept nogil:
     """A new gradient operator.  eps: the epsilon as the caller gave it (C: desc.epsilon)."""
-    cdef const bnbw_tensor_desc *descs[N_MEMBERS]
+    cdef const bnbw_tensor_desc *descs[BNBW_GRAD_MEMBERS]
     if type != BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD \
             and type != BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD and out != NULL:
         out[0] = NULL
@@ -289,31 +357,42 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
         return BNBW_ERROR_OPERATOR_TYPE
     if _no_operator_yet(desc, out, msg, cap) != BNBW_OK:
         return BNBW_ERROR_NULL_POINTER
-    descs[:] = [desc.input, desc.input_gradient, desc.mean, desc.variance, desc.scale,
-                desc.output_gradient, desc.output_scale_gradient, desc.output_bias_gradient]
+    copy_members(descs, desc, BNBW_GRAD_MEMBERS)
     return _op_build(DO_TRAINING if type == BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD
-                     else DO_FROZEN, RULES, MEMBER_SLOTS, N_MEMBERS, descs, eps, NULL, out, msg,
-                     cap)
+                     else DO_FROZEN, RULES, GRAD_ROWS, BNBW_GRAD_MEMBERS, descs, eps, NULL, out,
+                     msg, cap)
 
 
 cdef bnbw_status op_create_training(const bnbw_batch_normalization_training_desc *desc,
                                     const Epsilon *eps, const Epsilon *momentum,
                                     OperatorImpl **out, char *msg, size_t cap) noexcept nogil:
     """A new training-forward operator; eps and momentum as the caller gave them."""
-    cdef const bnbw_tensor_desc *descs[N_TRAINING_MEMBERS]
+    cdef const bnbw_tensor_desc *descs[BNBW_TRAINING_MEMBERS]
     if _no_operator_yet(desc, out, msg, cap) != BNBW_OK:
         return BNBW_ERROR_NULL_POINTER
-    descs[:] = [desc.input, desc.mean, desc.variance, desc.scale, desc.bias, desc.output,
-                desc.output_running_mean, desc.output_running_variance, desc.output_batch_mean,
-                desc.output_batch_variance]
+    copy_members(descs, desc, BNBW_TRAINING_MEMBERS)
     return _op_build(DO_FORWARD | (OP_RELU if desc.fuse_relu else 0), TRAINING_RULES,
-                     TRAINING_SLOTS, N_TRAINING_MEMBERS, descs, eps, momentum, out, msg, cap)
+                     TRAINING_ROWS, BNBW_TRAINING_MEMBERS, descs, eps, momentum, out, msg, cap)
 
 
 cdef void op_destroy(OperatorImpl *op) noexcept nogil:
     if op != NULL:
         engine_release(&op.plan)
         free(op)
+
+
+cdef void op_bind(const OperatorImpl *op, const void *bindings, const void **ptr) noexcept nogil:
+    """ptr by slot from the C bindings struct of op's family (its members' pointers in member
+    order); all NULL when op is NULL."""
+    cdef const void *members[BNBW_MAX_MEMBERS]
+    cdef int i
+    for i in range(N_SLOTS):
+        ptr[i] = NULL
+    if op == NULL:
+        return
+    copy_members(members, bindings, op.n_members)
+    for i in range(op.n_members):
+        ptr[op.members[i].slot] = members[i]
 
 
 cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,
@@ -327,7 +406,7 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
         snprintf(msg, cap, "op: the operator pointer is NULL")
         return BNBW_ERROR_NULL_POINTER
     for i in range(op.n_members):
-        s = op.members[i]
+        s = op.members[i].slot
         a = <uintptr_t> ptr[s]
         if op.t[s].ndim == 0:          # an optional member the operator was made without
             if a != 0:
@@ -350,13 +429,13 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
     if check_threads(num_threads, True, "num_threads", NULL, msg, cap) != BNBW_OK:
         return BNBW_ERROR_NUM_THREADS
     for i in range(op.n_members):
-        o = op.members[i]
-        if not is_output(o):
+        o = op.members[i].slot
+        if not op.members[i].output:
             continue
         same = in_place_input(op.op, o)
         for j in range(op.n_members):
-            s = op.members[j]
-            if j == i or (is_output(s) and j < i) or op.t[s].ndim == 0:
+            s = op.members[j].slot
+            if j == i or (op.members[j].output and j < i) or op.t[s].ndim == 0:
                 continue          # each pair of outputs once
             a = <uintptr_t> ptr[o]
             b = <uintptr_t> ptr[s]
@@ -367,7 +446,7 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
             if s == same:
                 snprintf(msg, cap, "%s overlaps %s (in place needs the same address and "
                          "identical descriptors)", member_name(op, o), member_name(op, s))
-            elif is_output(s):
+            elif op.members[j].output:
                 snprintf(msg, cap, "%s overlaps %s; outputs must not overlap each other",
                          member_name(op, o), member_name(op, s))
             else:
@@ -465,8 +544,8 @@ cdef class Operator:
     cdef tuple members
 
     def __cinit__(self, str type, specs, epsilon, momentum=None, fuse_relu=False):
-        cdef DescStore store[N_TRAINING_MEMBERS]
-        cdef const bnbw_tensor_desc *descs[N_TRAINING_MEMBERS]
+        cdef DescStore store[BNBW_MAX_MEMBERS]
+        cdef const bnbw_tensor_desc *descs[BNBW_MAX_MEMBERS]
         cdef bnbw_batch_normalization_grad_desc grad
         cdef bnbw_batch_normalization_training_desc training
         cdef Epsilon eps, m
@@ -485,19 +564,14 @@ cdef class Operator:
         parse_real(epsilon, &eps, "epsilon")
         if type == "training":
             parse_real(momentum, &m, "momentum")
-            training.input, training.mean, training.variance = descs[0], descs[1], descs[2]
-            training.scale, training.bias, training.output = descs[3], descs[4], descs[5]
-            training.output_running_mean, training.output_running_variance = descs[6], descs[7]
-            training.output_batch_mean, training.output_batch_variance = descs[8], descs[9]
+            copy_members(&training, descs, BNBW_TRAINING_MEMBERS)
             training.epsilon = <float> eps.value
             training.momentum = <float> m.value
             training.fuse_relu = bool(fuse_relu)
             with nogil:
                 rc = op_create_training(&training, &eps, &m, &self.impl, msg, MESSAGE_CAP)
         else:
-            grad.input, grad.input_gradient, grad.mean = descs[0], descs[1], descs[2]
-            grad.variance, grad.scale, grad.output_gradient = descs[3], descs[4], descs[5]
-            grad.output_scale_gradient, grad.output_bias_gradient = descs[6], descs[7]
+            copy_members(&grad, descs, BNBW_GRAD_MEMBERS)
             grad.epsilon = <float> eps.value
             with nogil:
                 rc = op_create(code, &grad, &eps, &self.impl, msg, MESSAGE_CAP)
@@ -538,27 +612,27 @@ cdef class Operator:
         """buffers: one per member in member order, each a buffer-protocol object, a NumPy
         array (any dtype, raw memory) or a positive int address; None for a member the operator
         was made without; num_threads as given."""
-        cdef Py_buffer views[N_TRAINING_MEMBERS]
-        cdef bint held[N_TRAINING_MEMBERS]
+        cdef Py_buffer views[BNBW_MAX_MEMBERS]
+        cdef bint held[BNBW_MAX_MEMBERS]
         cdef const void *ptr[N_SLOTS]
         cdef char msg[MESSAGE_CAP]
         cdef bnbw_status rc = BNBW_OK
         cdef int i, slot, threads = requested_threads(num_threads)
         cdef Py_ssize_t nbytes
-        for i in range(N_TRAINING_MEMBERS):
+        for i in range(BNBW_MAX_MEMBERS):
             held[i] = False
         for i in range(N_SLOTS):
             ptr[i] = NULL
         try:
             for i in range(self.impl.n_members):
-                slot = self.impl.members[i]
+                slot = self.impl.members[i].slot
                 if buffers[i] is None and self.impl.t[slot].ndim == 0:
                     continue
                 if self.impl.t[slot].ndim == 0:
                     raise ValueError(f"{self.members[i]}: the operator was made without it (its "
                                      "descriptor was None), so its buffer must be None")
-                ptr[slot] = _address(buffers[i], self.members[i], is_output(slot), &views[i],
-                                     &held[i], &nbytes)
+                ptr[slot] = _address(buffers[i], self.members[i], self.impl.members[i].output,
+                                     &views[i], &held[i], &nbytes)
                 if nbytes >= 0 and nbytes < self.impl.t[slot].minimum:
                     raise ValueError(f"{self.members[i]}: the buffer holds {nbytes} bytes, the "
                                      f"descriptor needs at least {self.impl.t[slot].minimum} "
@@ -566,7 +640,7 @@ cdef class Operator:
             with nogil:
                 rc = op_execute(self.impl, ptr, threads, msg, MESSAGE_CAP)
         finally:
-            for i in range(N_TRAINING_MEMBERS):
+            for i in range(BNBW_MAX_MEMBERS):
                 if held[i]:
                     PyBuffer_Release(&views[i])
         if rc != BNBW_OK:

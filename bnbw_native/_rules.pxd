@@ -36,6 +36,8 @@ ctypedef struct Rules:
     # A public convention: what it calls each argument and which rules it follows.
     char names[N_NAMES][NAME_CAP]
     char labels[N_ROLES][NAME_CAP + 16]   # how messages name an output ("out[0] (diff_src)")
+    int order[N_ROLES]       # the named roles as the convention lists them (DirectML: its
+    int n_named              # members in descriptor order, the order its checks go in)
     bint scale_required      # nGraph: gamma must be given (elsewhere None means 1)
     bint beta_required       # nGraph: beta must be given (and is validated only)
     int family

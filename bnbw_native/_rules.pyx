@@ -392,8 +392,8 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *
                                  size_t cap) noexcept nogil:
     """DirectML: the operator's tensors share one data type and dimension count; the big ones
     the input's sizes, the per-channel ones mean's, whose sizes are 1 on the summed dims and the
-    input's on the others."""
-    cdef int members[14]
+    input's on the others.  Its members go in the convention's order: the inputs, then the
+    outputs."""
     cdef int i, d, m
     cdef const Arg *x = &a[S_X]
     cdef const char *big_text = "input, input_gradient and output_gradient"
@@ -403,32 +403,30 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *
     if op & OP_FORWARD:
         big_text = "input and output"
         stat_text = "mean, variance, scale, bias and the four statistics outputs"
-    # in descriptor order: the inputs, then the outputs
-    members[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_DX, S_DSCALE, S_DBIAS,
-                  S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, -1]
-    for i in range(13):
-        if a[members[i]].present:
-            rc = _kind(r, &a[members[i]], members[i], msg, cap)
+    for i in range(r.n_named):
+        m = r.order[i]
+        if a[m].present:
+            rc = _kind(r, &a[m], m, msg, cap)
             if rc != BNBW_OK:
                 return rc
     if x.ndim < r.min_rank or x.ndim > r.max_rank:
         snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
                  r.min_rank, r.max_rank, x.ndim)
         return BNBW_ERROR_DIMENSION_COUNT
-    for i in range(1, 13):
-        m = members[i]
+    for i in range(r.n_named):
+        m = r.order[i]
         if a[m].present and a[m].dtype != x.dtype:
             snprintf(msg, cap, "%s: data_type %s differs from input's %s; all tensors share "
                      "one data type", r.labels[m], a[m].type_name, x.type_name)
             return BNBW_ERROR_DATA_TYPE
-    for i in range(1, 13):       # (after every data type: a type mismatch is reported first)
-        m = members[i]
+    for i in range(r.n_named):       # (after every data type: a type mismatch is reported first)
+        m = r.order[i]
         if a[m].present and a[m].ndim != x.ndim:
             snprintf(msg, cap, "%s: sizes have %d dimensions, input's %d; all tensors share "
                      "one dimension count", r.labels[m], a[m].ndim, x.ndim)
             return BNBW_ERROR_DIMENSION_COUNT
-    for i in range(1, 13):
-        m = members[i]
+    for i in range(r.n_named):
+        m = r.order[i]
         if not a[m].present or (m != S_DY and m != S_DX):
             continue
         for d in range(x.ndim):
@@ -443,9 +441,9 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *
                      "%lld", r.names[S_MEAN], d, <long long> x.shape[d],
                      <long long> a[S_MEAN].shape[d])
             return BNBW_ERROR_SIZES
-    for i in range(3, 13):
-        m = members[i]
-        if not a[m].present or m == S_DX:
+    for i in range(r.n_named):
+        m = r.order[i]
+        if not a[m].present or m < N_BIG:       # the big ones (checked above)
             continue
         for d in range(x.ndim):
             if a[m].shape[d] != a[S_MEAN].shape[d]:
@@ -459,8 +457,8 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *
     rc = _check_reals(r, eps, momentum, msg, cap)
     if rc != BNBW_OK:
         return rc
-    for i in range(1, 13):
-        m = members[i]
+    for i in range(r.n_named):
+        m = r.order[i]
         if a[m].present and _is_output(m):
             rc = _check_output(r, &a[m], m, x.dtype, a[m].ndim, a[m].shape, msg, cap)
             if rc != BNBW_OK:
@@ -570,6 +568,8 @@ cdef class Convention:
         self.rules.min_rank, self.rules.max_rank = ranks
         for key, name in names.items():
             role = ROLES[key]
+            self.rules.order[self.rules.n_named] = role
+            self.rules.n_named += 1
             copy_name(self.rules.names[role], name, NAME_CAP)
             if self.rules.family == FAMILY_ARRAYS and key in OUT_INDEX:
                 label = f"out[{OUT_INDEX[key]}] ({name})"

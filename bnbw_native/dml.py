@@ -179,23 +179,31 @@ class TensorDesc:
 
 
 class _Operator:
-    """An operator compiled once; execute() binds memory and runs it (GIL released)."""
+    """An operator compiled once; execute() binds memory and runs it (GIL released).
+
+    Its signatures name the members for callers; what they are given is read back by name in
+    the order of the member table (_table: _directml's rows of name, slot, role)."""
 
     _type = None
-    _optional = ()
+    _table = ()
     feature_level = None
 
-    def _compile(self, descs, epsilon, **options):
-        """Check and plan once: descs maps member names, in member order, to descriptors."""
-        for name, desc in descs.items():
-            if desc is None and name in self._optional:
+    def _compile(self, given, epsilon, **options):
+        """Check and plan once: given maps (at least) the member names to descriptors."""
+        descs = {name: given[name] for name, _, _ in self._table}
+        for name, _, role in self._table:
+            if descs[name] is None and role == "optional":
                 continue
-            if not isinstance(desc, TensorDesc):
+            if not isinstance(descs[name], TensorDesc):
                 raise TypeError(f"{name} must be a bnbw_native.dml.TensorDesc, got "
-                                f"{type(desc).__name__}")
+                                f"{type(descs[name]).__name__}")
         self._op = _directml.Operator(self._type, [None if d is None else d._spec()
                                                    for d in descs.values()], epsilon, **options)
         self._descs = descs
+
+    def _run(self, given, num_threads):
+        """Bind the buffers given by member name, in member order, and run."""
+        self._op.execute([given[name] for name, _, _ in self._table], num_threads)
 
     @property
     def epsilon(self):
@@ -225,11 +233,11 @@ class _Operator:
 
 
 class _GradOperator(_Operator):
+    _table = _directml.GRAD_TABLE
+
     def __init__(self, *, input, input_gradient, mean, variance, scale, output_gradient,
                  output_scale_gradient, output_bias_gradient, epsilon):
-        self._compile(dict(zip(MEMBERS, (input, input_gradient, mean, variance, scale,
-                                         output_gradient, output_scale_gradient,
-                                         output_bias_gradient))), epsilon)
+        self._compile(locals(), epsilon)
 
     def execute(self, *, input, input_gradient, mean, variance, scale, output_gradient,
                 output_scale_gradient, output_bias_gradient, num_threads=None):
@@ -240,9 +248,8 @@ class _GradOperator(_Operator):
         least the descriptor's minimum size, or a positive int address (trusted).  Output
         buffers must not overlap each other nor the inputs, except output_gradient over
         input_gradient with identical descriptors (in place).  Returns None."""
-        buffers = (input, input_gradient, mean, variance, scale, output_gradient,
-                   output_scale_gradient, output_bias_gradient)
-        self._op.execute(buffers, num_threads)
+        self._run(locals(), num_threads)
+
 
 class BatchNormalizationGrad(_GradOperator):
     """``DML_OPERATOR_BATCH_NORMALIZATION_GRAD`` (DML_FEATURE_LEVEL_3_1): frozen statistics.
@@ -280,16 +287,13 @@ class BatchNormalizationTraining(_Operator):
     operators: one data type, input and output one set of sizes, the per-channel ones mean's."""
 
     _type = "training"
-    _optional = ("scale", "bias")
+    _table = _directml.TRAINING_TABLE
 
     def __init__(self, *, input, mean, variance, output, output_running_mean,
                  output_running_variance, output_batch_mean, output_batch_variance, scale=None,
                  bias=None, epsilon, momentum=0.5, fuse_relu=False):
         check_flag(fuse_relu, "fuse_relu")
-        self._compile(dict(zip(_directml.TRAINING_MEMBERS, (
-            input, mean, variance, scale, bias, output, output_running_mean,
-            output_running_variance, output_batch_mean, output_batch_variance))), epsilon,
-            momentum=momentum, fuse_relu=bool(fuse_relu))
+        self._compile(locals(), epsilon, momentum=momentum, fuse_relu=bool(fuse_relu))
         self._fuse_relu = bool(fuse_relu)
 
     def execute(self, *, input, mean, variance, output, output_running_mean,
@@ -300,9 +304,7 @@ class BatchNormalizationTraining(_Operator):
         the inputs, except output over input, output_running_mean over mean and
         output_running_variance over variance, each at the same address with identical
         descriptors (in place).  Returns None."""
-        self._op.execute((input, mean, variance, scale, bias, output, output_running_mean,
-                          output_running_variance, output_batch_mean, output_batch_variance),
-                         num_threads)
+        self._run(locals(), num_threads)
 
     @property
     def momentum(self):

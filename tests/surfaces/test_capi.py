@@ -287,6 +287,26 @@ def test_header_with_python_compiles_quietly():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("desc, bindings, table", [
+    ("bnbw_batch_normalization_grad_desc", "bnbw_bindings", "GRAD_TABLE"),
+    ("bnbw_batch_normalization_training_desc", "bnbw_training_bindings", "TRAINING_TABLE")])
+def test_structs_hold_the_member_table(desc, bindings, table):
+    """_directml copies these structs as arrays of member pointers: every field, by name and
+    type, is the member table's, in its order (the descriptors then epsilon and options)."""
+    import re
+    from bnbw_native import _directml
+    header = (INCLUDE / "bnbw_native.h").read_text()
+
+    def fields(struct):
+        body = re.search(r"typedef struct %s \{(.*?)\}" % struct, header, re.S).group(1)
+        return re.findall(r"^\s*([^;/]+?)\s*;", body, re.M)
+    rows = getattr(_directml, table)
+    members = [f"const bnbw_tensor_desc *{name}" for name, _, _ in rows]
+    assert fields(desc)[:len(rows) + 1] == members + ["float epsilon"]
+    assert fields(bindings) == [f"{'' if role == 'output' else 'const '}void *{name}"
+                                for name, _, role in rows]
+
+
 def test_capsule():
     from bnbw_native import _capi
     assert type(_capi._C_API).__name__ == "PyCapsule"

@@ -218,6 +218,15 @@ def test_feature_levels_and_repr():
     assert "epsilon=0.001" in repr(op) and op.mean == packed((1, 3, 1))
 
 
+@pytest.mark.parametrize("cls", [dml.BatchNormalizationGrad, dml.BatchNormalizationTraining])
+def test_signatures_name_every_member(cls):
+    """The operators read their arguments by the member table's names."""
+    import inspect
+    names = [row[0] for row in cls._table]
+    for method in (cls.__init__, cls.execute):
+        assert set(names) <= set(inspect.signature(method).parameters), method
+
+
 def test_broadcast_inputs_accepted(operator_class):
     bcast = dml.TensorDesc("float32", (2, 3, 4), (0, 4, 1))
     stats = dml.TensorDesc("float32", (1, 3, 1), (0, 0, 0))
