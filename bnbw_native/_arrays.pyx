@@ -18,15 +18,15 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, strncpy
 
 from bnbw_native._vocabulary cimport (
-    Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
-    S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64,
-    S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS,
-    OP_EXACT_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_DX, DO_TRAINING, DO_FROZEN_DX,
-    DO_FROZEN, DO_REDUCE, DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS,
-    DO_PARAMS_FROM_SUMS, bnbw_status, BNBW_OK)
-from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Convention, FAMILY_ARRAYS,
-                                 FAMILY_DIRECTML, MESSAGE_CAP, check_call, layout_of, copy_name,
-                                 parse_real, raise_status)
+    Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
+    S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, S_RUN_MEAN,
+    S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS, OP_EXACT_SUMS,
+    OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_DX, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
+    DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS, DO_PARAMS_FROM_SUMS)
+from bnbw_native._headers cimport bnbw_status, BNBW_OK
+from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Momentum, Convention,
+                                 FAMILY_ARRAYS, FAMILY_DIRECTML, MESSAGE_CAP, check_call,
+                                 layout_of, copy_name, parse_real, raise_status)
 from bnbw_native._engine cimport engine_run, engine_describe
 
 from bnbw_native._dlpack import as_array, output_array
@@ -195,7 +195,7 @@ ctypedef struct Call:
     int op               # DO_* (and OP_EXACT_SUMS, OP_RELU)
     int axis             # x's channel axis, 0..ndim-1 (array conventions)
     Epsilon eps
-    Epsilon momentum     # the forward's
+    Momentum momentum     # the forward's
     int64_t count        # the two-phase global count, -1 otherwise
     int64_t channels     # C, as the checks found it
     int requested        # num_threads as given (0: none)

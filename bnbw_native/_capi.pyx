@@ -10,13 +10,13 @@ from libc.stdio cimport snprintf
 from libc.string cimport strncpy
 from cpython.pycapsule cimport PyCapsule_New
 
-from bnbw_native._vocabulary cimport (
-    N_SLOTS, OP_FORWARD, bnbw_data_type, bnbw_operator_type,
-    bnbw_batch_normalization_grad_desc, bnbw_batch_normalization_training_desc, bnbw_bindings,
-    bnbw_training_bindings, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
-    BNBW_ERROR_OPERATOR_TYPE, bnbw_operator, bnbw_api_table, BNBW_API_VERSION,
-    BNBW_CAPSULE_NAME)
-from bnbw_native._rules cimport Epsilon, epsilon_of_float
+from bnbw_native._vocabulary cimport N_SLOTS, OP_FORWARD
+from bnbw_native._headers cimport (
+    bnbw_data_type, bnbw_operator_type, bnbw_batch_normalization_grad_desc,
+    bnbw_batch_normalization_training_desc, bnbw_bindings, bnbw_training_bindings, bnbw_status,
+    BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_OPERATOR_TYPE, bnbw_operator, bnbw_api_table,
+    BNBW_API_VERSION, BNBW_CAPSULE_NAME)
+from bnbw_native._rules cimport Epsilon, Momentum, real_of_float
 from bnbw_native._directml cimport (Tensor, OperatorImpl, layout_check, default_total,
                                     op_create, op_create_training, op_bind, op_execute,
                                     op_destroy)
@@ -62,7 +62,7 @@ cdef bnbw_status c_create_operator(bnbw_operator_type type,
                                    const bnbw_batch_normalization_grad_desc *desc,
                                    bnbw_operator **op) noexcept nogil:
     cdef Epsilon eps
-    epsilon_of_float(desc.epsilon if desc != NULL else 0, &eps)
+    real_of_float(desc.epsilon if desc != NULL else 0, &eps)
     return op_create(<int> type, desc, &eps, <OperatorImpl **> op, bnbw_thread_message(),
                      BNBW_MESSAGE_CAP)
 
@@ -92,9 +92,10 @@ cdef bnbw_status c_execute(const bnbw_operator *op, const bnbw_bindings *b,
 
 cdef bnbw_status c_create_training_operator(const bnbw_batch_normalization_training_desc *desc,
                                             bnbw_operator **op) noexcept nogil:
-    cdef Epsilon eps, momentum
-    epsilon_of_float(desc.epsilon if desc != NULL else 0, &eps)
-    epsilon_of_float(desc.momentum if desc != NULL else 0, &momentum)
+    cdef Epsilon eps
+    cdef Momentum momentum
+    real_of_float(desc.epsilon if desc != NULL else 0, &eps)
+    real_of_float(desc.momentum if desc != NULL else 0, &momentum)
     return op_create_training(desc, &eps, &momentum, <OperatorImpl **> op,
                               bnbw_thread_message(), BNBW_MESSAGE_CAP)
 

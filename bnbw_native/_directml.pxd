@@ -1,9 +1,9 @@
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
-from bnbw_native._vocabulary cimport (MAX_DIMS, N_SLOTS, Plan, bnbw_status,
-                                      bnbw_batch_normalization_grad_desc,
-                                      bnbw_batch_normalization_training_desc)
-from bnbw_native._rules cimport Epsilon, Rules
+from bnbw_native._vocabulary cimport MAX_DIMS, N_SLOTS, Plan
+from bnbw_native._headers cimport (
+    bnbw_status, bnbw_batch_normalization_grad_desc, bnbw_batch_normalization_training_desc)
+from bnbw_native._rules cimport Epsilon, Momentum, Rules
 
 ctypedef struct Tensor:
     int dtype                    # bnbw_data_type
@@ -26,7 +26,7 @@ ctypedef struct OperatorImpl:
     const Member *members        # its family's table, in descriptor order
     int n_members
     Epsilon eps
-    Epsilon momentum             # the forward's
+    Momentum momentum             # the forward's
     Tensor t[N_SLOTS]            # by slot: the members' descriptors (ndim 0: absent)
     Plan plan
 
@@ -38,7 +38,7 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
                            const Epsilon *eps, OperatorImpl **out, char *msg,
                            size_t cap) noexcept nogil
 cdef bnbw_status op_create_training(const bnbw_batch_normalization_training_desc *desc,
-                                    const Epsilon *eps, const Epsilon *momentum,
+                                    const Epsilon *eps, const Momentum *momentum,
                                     OperatorImpl **out, char *msg, size_t cap) noexcept nogil
 cdef void op_bind(const OperatorImpl *op, const void *bindings, const void **ptr) noexcept nogil
 cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_threads,

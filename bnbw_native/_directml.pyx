@@ -27,17 +27,19 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsCo
                              PyBUF_FULL_RO)
 
 from bnbw_native._vocabulary cimport (
-    Layout, MAX_DIMS, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE,
-    S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_FORWARD,
-    OP_RELU, DO_FROZEN, DO_TRAINING, DO_FORWARD, bnbw_data_type, BNBW_DATA_TYPE_FLOAT32,
-    BNBW_DATA_TYPE_FLOAT16, BNBW_DATA_TYPE_BFLOAT16, bnbw_tensor_desc,
-    BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD, BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD,
-    bnbw_batch_normalization_grad_desc, bnbw_batch_normalization_training_desc, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
+    Layout, MAX_DIMS, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
+    S_DBIAS, S_BETA, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_FORWARD, OP_RELU,
+    DO_FROZEN, DO_TRAINING, DO_FORWARD)
+from bnbw_native._headers cimport (
+    bnbw_data_type, BNBW_DATA_TYPE_FLOAT32, BNBW_DATA_TYPE_FLOAT16, BNBW_DATA_TYPE_BFLOAT16,
+    bnbw_tensor_desc, BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD,
+    BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD, bnbw_batch_normalization_grad_desc,
+    bnbw_batch_normalization_training_desc, bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
     BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES,
     BNBW_ERROR_TOTAL_SIZE, BNBW_ERROR_OVERLAP, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT,
     BNBW_ERROR_OPERATOR_TYPE, BNBW_ERROR_OUT_OF_MEMORY, BNBW_ERROR_ADDRESS)
-from bnbw_native._rules cimport (Arg, Rules, Epsilon, Convention, MESSAGE_CAP, check_call,
-                                 layout_of, type_text, parse_real, in_place_input,
+from bnbw_native._rules cimport (Arg, Rules, Epsilon, Momentum, Convention, MESSAGE_CAP,
+                                 check_call, layout_of, type_text, parse_real, in_place_input,
                                  check_threads, raise_status)
 from bnbw_native._overlap cimport ranges_overlap
 from bnbw_native._engine cimport engine_plan, engine_execute, engine_release
@@ -257,7 +259,7 @@ cdef bnbw_status tensor_check(const bnbw_tensor_desc *desc, const char *m, Tenso
 # ---------------------------------------------------------------------------------------
 
 cdef bnbw_status operator_check(OperatorImpl *op, const bnbw_tensor_desc **descs,
-                                const Epsilon *eps, const Epsilon *momentum, Arg *a, char *msg,
+                                const Epsilon *eps, const Momentum *momentum, Arg *a, char *msg,
                                 size_t cap) noexcept nogil:
     """Every member's descriptor, once (op.members of them, NULL where optional and absent),
     then the operator's rules (the validation layer's, under op.rules); fills op.t and
@@ -299,7 +301,7 @@ cdef bint same_layout(const Tensor *a, const Tensor *b) noexcept nogil:
 
 cdef bnbw_status _op_build(int kind, const Rules *rules, const Member *members, int n_members,
                            const bnbw_tensor_desc **descs, const Epsilon *eps,
-                           const Epsilon *momentum, OperatorImpl **out, char *msg,
+                           const Momentum *momentum, OperatorImpl **out, char *msg,
                            size_t cap) noexcept nogil:
     """A new operator of `kind` (its op) over `members` (descs in their order): every check,
     then the plan."""
@@ -364,7 +366,7 @@ cdef bnbw_status op_create(int type, const bnbw_batch_normalization_grad_desc *d
 
 
 cdef bnbw_status op_create_training(const bnbw_batch_normalization_training_desc *desc,
-                                    const Epsilon *eps, const Epsilon *momentum,
+                                    const Epsilon *eps, const Momentum *momentum,
                                     OperatorImpl **out, char *msg, size_t cap) noexcept nogil:
     """A new training-forward operator; eps and momentum as the caller gave them."""
     cdef const bnbw_tensor_desc *descs[BNBW_TRAINING_MEMBERS]
@@ -548,7 +550,8 @@ cdef class Operator:
         cdef const bnbw_tensor_desc *descs[BNBW_MAX_MEMBERS]
         cdef bnbw_batch_normalization_grad_desc grad
         cdef bnbw_batch_normalization_training_desc training
-        cdef Epsilon eps, m
+        cdef Epsilon eps
+        cdef Momentum m
         cdef char msg[MESSAGE_CAP]
         cdef bnbw_status rc
         cdef int i, code = 0

@@ -1,4 +1,5 @@
-from bnbw_native._vocabulary cimport Layout, Plan, bnbw_status
+from bnbw_native._vocabulary cimport Layout, Plan
+from bnbw_native._headers cimport bnbw_status
 
 # The one way into the engine (see _engine.pyx).
 cdef bnbw_status engine_plan(const Layout *l, Plan *p) noexcept nogil

@@ -19,10 +19,11 @@ on the kernel body this process chose and the thread count resolved here.
 * fork(): libgomp's thread pool does not survive it.  A child whose parent started a team runs
   on its calling thread; a child of a parent that never did keeps its threads.
 """
-from bnbw_native._vocabulary cimport (
-    Layout, Plan, bnbw_status, BNBW_OK, BNBW_ERROR_OUT_OF_MEMORY, BNBW_BODY_AVX2,
-    bnbw_kernels, bnbw_body, bnbw_cpu_body, bnbw_set_body_cap, bnbw_body_name,
-    bnbw_omp_max_threads, bnbw_omp_num_procs, bnbw_openmp_version, bnbw_half_simd_path)
+from bnbw_native._vocabulary cimport Layout, Plan
+from bnbw_native._headers cimport (
+    bnbw_status, BNBW_OK, BNBW_ERROR_OUT_OF_MEMORY, BNBW_BODY_AVX2, bnbw_kernels, bnbw_body,
+    bnbw_cpu_body, bnbw_set_body_cap, bnbw_body_name, bnbw_omp_max_threads, bnbw_omp_num_procs,
+    bnbw_openmp_version, bnbw_half_simd_path)
 from bnbw_native._plan cimport plan_build, plan_free
 from bnbw_native._schedules cimport Schedule, schedule_choose
 from bnbw_native._execute cimport execute

@@ -1,4 +1,5 @@
-from bnbw_native._vocabulary cimport Plan, bnbw_kernel_table
+from bnbw_native._vocabulary cimport Plan
+from bnbw_native._headers cimport bnbw_kernel_table
 from bnbw_native._schedules cimport Schedule
 
 cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr,

@@ -28,8 +28,8 @@ from bnbw_native._vocabulary cimport (
     Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING,
     OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, SERIAL_BELOW,
-    itemsize, imin, chan_origin, row_origin, load_stat, store_stat, applies_after_sums,
-    bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK)
+    itemsize, imin, chan_origin, row_origin, load_stat, store_stat, applies_after_sums)
+from bnbw_native._headers cimport bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK
 from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_recentre,
                                     running_statistic)
 from bnbw_native._schedules cimport (
@@ -348,7 +348,8 @@ cdef bint _runs(const Plan *p, bint mask) noexcept nogil:
     return True
 
 
-cdef void sweep_block(const Work *w, int64_t b, int64_t c_lo, int64_t c_hi, int what) noexcept nogil:
+cdef void sweep_block(const Work *w, int64_t b, int64_t c_lo, int64_t c_hi,
+                      int what) noexcept nogil:
     """The whole rows of block b, each for channels c_lo..c_hi in turn (memory order for NCX).
     Channel c's block sum, block b's pair for c (block_sums), adds the same rows in the order
     as major_block(c, b).  Contiguous rows of channels a fixed stride apart go to the kernels

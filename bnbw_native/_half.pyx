@@ -16,10 +16,10 @@ from libc.stdint cimport int64_t, uint16_t
 
 cnp.import_array()
 
-from bnbw_native._vocabulary cimport (
-    SERIAL_BELOW, bnbw_load_f16, bnbw_store_f16, bnbw_load_bf16, bnbw_store_bf16,
-    bnbw_load_f32, bnbw_store_f32, bnbw_half_simd_path, bnbw_f64_to_f16,
-    bnbw_f64_to_bf16)
+from bnbw_native._vocabulary cimport SERIAL_BELOW
+from bnbw_native._headers cimport (
+    bnbw_load_f16, bnbw_store_f16, bnbw_load_bf16, bnbw_store_bf16, bnbw_load_f32, bnbw_store_f32,
+    bnbw_half_simd_path, bnbw_f64_to_f16, bnbw_f64_to_bf16)
 from bnbw_native._engine cimport resolve_threads, team_started, simd_converters
 
 # simd (last argument): whether the converters may use their AVX2 code (the kernel body in use)

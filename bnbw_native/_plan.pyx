@@ -17,8 +17,9 @@ from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
-from bnbw_native._vocabulary cimport (Layout, Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, itemsize,
-                                     BNBW_BLOCK_ROWS)
+from bnbw_native._vocabulary cimport (
+    Layout, Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, itemsize)
+from bnbw_native._headers cimport BNBW_BLOCK_ROWS
 
 cdef enum:
     BLOCK = 32768         # channel-major: elements per reduction block

@@ -1,6 +1,7 @@
 from libc.stdint cimport int64_t
 
-from bnbw_native._vocabulary cimport Layout, N_ROLES, bnbw_status
+from bnbw_native._vocabulary cimport Layout, N_ROLES
+from bnbw_native._headers cimport bnbw_status
 
 cdef enum:
     ARG_DIMS = 64        # an argument's dims as the caller gave them (NumPy's limit)
@@ -45,16 +46,20 @@ ctypedef struct Rules:
     int min_rank
     int max_rank
 
-ctypedef struct Epsilon:
+ctypedef struct Real:
+    # A real argument as the caller gave it: its value, and its text for messages.
     double value
     char text[48]            # the caller's value as Python prints it
 
+ctypedef Real Epsilon        # finite and > 0 once rounded to float32
+ctypedef Real Momentum       # the forward's average weight: in [0, 1] once rounded to float32
+
 cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
-                            const Epsilon *momentum, int64_t count, int64_t *channels,
+                            const Momentum *momentum, int64_t count, int64_t *channels,
                             char *msg, size_t cap) noexcept nogil
 cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept nogil
-cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil
-cdef int parse_real(object value, Epsilon *e, str name) except -1
+cdef void real_of_float(float value, Real *e) noexcept nogil
+cdef int parse_real(object value, Real *e, str name) except -1
 cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *msg,
                                      size_t cap) noexcept nogil
 cdef const char *type_text(int dtype) noexcept nogil

@@ -33,13 +33,13 @@ import numpy as np
 cimport numpy as cnp
 from bnbw_native._overlap cimport may_share, self_overlap, same_view
 from bnbw_native._vocabulary cimport (
-    Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR,
-    S_SCALE, S_DSCALE, S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL,
-    DT_F64, OP_GIVEN_SUMS, OP_FORWARD, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR,
-    bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER,
-    BNBW_ERROR_DATA_TYPE, BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_OVERLAP,
-    BNBW_ERROR_EPSILON, BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY,
-    bnbw_omp_num_procs)
+    Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
+    S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, OP_GIVEN_SUMS,
+    OP_FORWARD, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR)
+from bnbw_native._headers cimport (
+    bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_DATA_TYPE,
+    BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_OVERLAP, BNBW_ERROR_EPSILON,
+    BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY, bnbw_omp_num_procs)
 
 cnp.import_array()
 
@@ -232,7 +232,7 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
     return BNBW_OK
 
 
-cdef bnbw_status _check_momentum(const Rules *r, const Epsilon *m, char *msg,
+cdef bnbw_status _check_momentum(const Rules *r, const Momentum *m, char *msg,
                                  size_t cap) noexcept nogil:
     """An average's weight: finite and in [0, 1] once rounded to float32."""
     cdef float v = <float> m.value
@@ -243,7 +243,7 @@ cdef bnbw_status _check_momentum(const Rules *r, const Epsilon *m, char *msg,
     return BNBW_ERROR_EPSILON
 
 
-cdef bnbw_status _check_reals(const Rules *r, const Epsilon *eps, const Epsilon *momentum,
+cdef bnbw_status _check_reals(const Rules *r, const Epsilon *eps, const Momentum *momentum,
                               char *msg, size_t cap) noexcept nogil:
     """epsilon and momentum, where the call has them (NULL where not)."""
     if eps != NULL and check_epsilon_value(r, eps, msg, cap) != BNBW_OK:
@@ -254,7 +254,7 @@ cdef bnbw_status _check_reals(const Rules *r, const Epsilon *eps, const Epsilon 
 
 
 cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
-                               const Epsilon *momentum, int64_t count, int64_t *channels,
+                               const Momentum *momentum, int64_t count, int64_t *channels,
                                char *msg, size_t cap) noexcept nogil:
     """oneDNN Graph, the Intel spec, nGraph, the two phases and the forward: x (and dy) of rank
     min_rank..max_rank, the statistics 1-D of length C along `axis`."""
@@ -388,7 +388,7 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
 
 
 cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *eps,
-                                 const Epsilon *momentum, int64_t *channels, char *msg,
+                                 const Momentum *momentum, int64_t *channels, char *msg,
                                  size_t cap) noexcept nogil:
     """DirectML: the operator's tensors share one data type and dimension count; the big ones
     the input's sizes, the per-channel ones mean's, whose sizes are 1 on the summed dims and the
@@ -473,7 +473,7 @@ cdef bint _is_output(int slot) noexcept nogil:
 
 
 cdef bnbw_status check_call(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
-                            const Epsilon *momentum, int64_t count, int64_t *channels,
+                            const Momentum *momentum, int64_t count, int64_t *channels,
                             char *msg, size_t cap) noexcept nogil:
     """Every rule of the convention `r` on the arguments a[N_ROLES]; `axis` is x's channel axis
     (0..ndim-1; array conventions); eps and momentum NULL where the call has none.  Outputs
@@ -517,7 +517,7 @@ cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept 
             l.strides[S_DY][d] = l.strides[S_X][d]
 
 
-cdef int parse_real(object value, Epsilon *e, str name) except -1:
+cdef int parse_real(object value, Real *e, str name) except -1:
     """A real argument (epsilon, momentum) as a Python caller gave it: a real number
     (TypeError naming it otherwise), kept as a double with its text for messages; the value
     rules are the checks'."""
@@ -534,7 +534,7 @@ cdef int parse_real(object value, Epsilon *e, str name) except -1:
     return 0
 
 
-cdef void epsilon_of_float(float value, Epsilon *e) noexcept nogil:
+cdef void real_of_float(float value, Real *e) noexcept nogil:
     e.value = value
     snprintf(e.text, 48, "%g", <double> value)
 

@@ -2,10 +2,10 @@
 """The schedules: who visits which part of a plan, in which order, on which thread.
 
 A call runs one named schedule, chosen by schedule_choose from the plan, what the call does,
-the thread count and the machine's caches, and carried out by bnbw_native._execute.  Every schedule adds the same block sums
-in the same order (the plan's fixed partition, each block summed by one sequential function,
-block sums added in block order), so which schedule runs, and on how many threads, never
-changes a bit.
+the thread count and the machine's caches, and carried out by bnbw_native._execute.  Every
+schedule adds the same block sums in the same order (the plan's fixed partition, each block
+summed by one sequential function, block sums added in block order), so which schedule runs,
+and on how many threads, never changes a bit.
 
     LAST_SPLIT           channel-last (NXC).  Items are (row block, channel slice): a reduce
                          pass writes each block's sums to its own partial arrays, the block sums
@@ -33,7 +33,8 @@ from libc.stdint cimport int64_t
 
 from bnbw_native._vocabulary cimport (
     Plan, DT_F32, DT_BF16, OP_REDUCE, OP_DX, OP_EXACT_SUMS, OP_FORWARD, SERIAL_BELOW, itemsize,
-    imin, applies_after_sums, BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD)
+    imin, applies_after_sums)
+from bnbw_native._headers cimport BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN_ODD
 
 cdef enum:
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
