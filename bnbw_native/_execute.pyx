@@ -19,7 +19,7 @@ included.  Channel-major rows go to the kernels in pieces of at most TILE elemen
 same places on every schedule, so that where a kernel call starts never changes a sum.
 """
 from libc.stdint cimport int64_t
-from libc.stdlib cimport malloc, calloc, free
+from libc.stdlib cimport malloc, free
 from libc.math cimport NAN
 from libc.string cimport memcpy, memmove, memset
 from cython.parallel cimport prange
@@ -30,11 +30,31 @@ from bnbw_native._vocabulary cimport (
     OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, SERIAL_BELOW,
     itemsize, imin, chan_origin, row_origin, load_stat, store_stat, applies_after_sums)
 from bnbw_native._headers cimport bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK
+from bnbw_native._plan cimport plan_scratch
 from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_recentre,
                                     running_statistic)
 from bnbw_native._schedules cimport (
     Schedule, SCHED_NOTHING, SCHED_LAST_SPLIT, SCHED_MAJOR_SWEEP, SCHED_MAJOR_SWEEP_FUSED,
     SCHED_MAJOR_CHANNEL_FUSED, TILE, COMBINE_CHUNK)
+
+
+cdef extern from *:
+    """
+    /* A plan's scratch is taken by one execute at a time (atomically: operators may run from
+       many threads at once). */
+    #if defined(_MSC_VER) && !defined(__clang__)
+    #include <intrin.h>
+    static int scratch_take(int *taken)
+    { return _InterlockedExchange((long *) taken, 1) == 0; }
+    static void scratch_give_back(int *taken) { _InterlockedExchange((long *) taken, 0); }
+    #else
+    static int scratch_take(int *taken)
+    { return __atomic_exchange_n(taken, 1, __ATOMIC_ACQUIRE) == 0; }
+    static void scratch_give_back(int *taken) { __atomic_store_n(taken, 0, __ATOMIC_RELEASE); }
+    #endif
+    """
+    bint scratch_take(int *taken) nogil
+    void scratch_give_back(int *taken) nogil
 
 
 # Scratch poisoning (tests): block sums and per-channel floats start as NaN instead of
@@ -449,7 +469,7 @@ cdef inline double *block_sums(const Work *w, int64_t b) noexcept nogil:
     """Block b's sums: whole 64-byte lines of their own, so that threads summing different
     blocks never write to one line (channel-last: Sum dy of every channel, then Sum (x - mean)
     dy; channel-major: the two sums of each channel in turn)."""
-    return w.partial + b * w.s.partial_stride
+    return w.partial + b * w.p.partial_stride
 
 
 cdef void _last_item(const Work *w, int64_t i) noexcept nogil:
@@ -651,32 +671,24 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     """execute() on operands laid out as the plan visits them."""
     cdef int64_t C = p.channels, c
     cdef Work w
-    cdef float *stats = NULL
-    cdef double *sums = NULL
+    cdef float *stats
+    cdef double *sums
     cdef bint need_sums = op & OP_REDUCE
     cdef bint want_coef = (op & (OP_DX | OP_PARAMS)) != 0     # a reduce-only call needs none
     cdef bint again = False
     cdef int first
-    cdef double *partial_memory = NULL
+    cdef char *own = NULL
     if C == 0:
         return 0
-    stats = <float *> malloc(4 * C * sizeof(float))
-    sums = <double *> calloc(4 * C, sizeof(double))
-    w.again = <unsigned char *> calloc(C, 1)
-    w.partial = NULL
-    if s.kind != SCHED_NOTHING and s.partial_doubles:
-        # every item clears the block sums it adds to: no zeroing here
-        partial_memory = <double *> malloc((s.partial_doubles + 8) * sizeof(double))
-        w.partial = <double *> ((<size_t> partial_memory + 63) & ~(<size_t> 63))
-    if (stats == NULL or sums == NULL or w.again == NULL
-            or (s.kind != SCHED_NOTHING and s.partial_doubles and partial_memory == NULL)):
-        free(stats)
-        free(sums)
-        free(w.again)
-        free(partial_memory)
-        return -1
-    if poison_scratch:
-        _fill_nan(<double *> partial_memory, s.partial_doubles + 8 if partial_memory else 0)
+    if not scratch_take(<int *> &p.scratch_taken):
+        own = <char *> malloc(p.scratch_bytes)
+        if own == NULL:
+            return -1
+    plan_scratch(p, own if own != NULL else p.scratch, &sums, &stats, &w.again, &w.partial)
+    memset(sums, 0, 4 * C * sizeof(double))
+    memset(w.again, 0, C)
+    if poison_scratch:        # every item clears the block sums it adds to
+        _fill_nan(w.partial, p.partial_stride * p.nblocks)
         for c in range(4 * C):
             stats[c] = <float> NAN
     w.p = p
@@ -752,10 +764,10 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     if op & OP_FORWARD and not (op & OP_RETURN_SUMS):
         for c in range(C):
             _store_forward_statistics(&w, c, momentum)
-    free(partial_memory)
-    free(stats)
-    free(sums)
-    free(w.again)
+    if own != NULL:
+        free(own)
+    else:
+        scratch_give_back(<int *> &p.scratch_taken)
     return 0
 
 

@@ -22,6 +22,7 @@ from bnbw_native._vocabulary cimport (
 from bnbw_native._headers cimport BNBW_BLOCK_ROWS
 
 cdef enum:
+    SCRATCH_PER_CHANNEL = 49   # bytes: 4 sums (f64), 4 floats (f32), a flag (plan_scratch)
     BLOCK = 32768         # channel-major: elements per reduction block
     LAST_BLOCK = 131072   # channel-last: elements per block, in whole multiples of the
                           # kernels' f32 blocks of halves (BNBW_BLOCK_ROWS rows, bnbw_kernels.h)
@@ -34,8 +35,33 @@ BLOCK_ELEMENTS = BLOCK
 
 
 cdef int plan_build(Plan *p, const Layout *l) noexcept nogil:
-    """Fill `p` (plan_free releases it) for the validated layout `l`.  Returns 0, or -1 when out
-    of memory."""
+    """Fill `p` (plan_free releases it) for the validated layout `l`, its scratch allocated.
+    Returns 0, or -1 when out of memory."""
+    if _build(p, l) != 0:
+        return -1
+    p.partial_stride = (2 * p.channels + 7) // 8 * 8
+    p.scratch_bytes = (SCRATCH_PER_CHANNEL * p.channels + 64
+                       + p.partial_stride * p.nblocks * sizeof(double))
+    p.scratch = <char *> malloc(p.scratch_bytes)
+    if p.scratch == NULL:
+        plan_free(p)
+        return -1
+    return 0
+
+
+cdef void plan_scratch(const Plan *p, char *memory, double **sums, float **floats,
+                       unsigned char **flags, double **partial) noexcept nogil:
+    """The parts of execute's scratch at `memory` (p.scratch_bytes of it): the channels' sums
+    (4 f64 each), their floats (4 f32), their flags (1 byte), then the block sums from a 64-byte
+    boundary on."""
+    cdef int64_t C = p.channels
+    sums[0] = <double *> memory
+    floats[0] = <float *> (memory + 32 * C)
+    flags[0] = <unsigned char *> (memory + 48 * C)
+    partial[0] = <double *> ((<size_t> (memory + 49 * C) + 63) & ~(<size_t> 63))
+
+
+cdef int _build(Plan *p, const Layout *l) noexcept nogil:
     cdef int ndim = l.ndim
     cdef const int64_t *sizes = l.sizes
     cdef const unsigned char *reduced = l.reduced
@@ -222,6 +248,9 @@ cdef int _layout(Plan *p, int ndim, const int64_t *sizes, const unsigned char *r
     p.n_outer = 0
     p.nblocks = 0
     p.block = 1
+    p.scratch = NULL
+    p.scratch_bytes = 0
+    p.scratch_taken = 0
     for t in range(N_SLOTS):
         p.chan_offset[t] = NULL
         p.chan_stride[t] = 0
@@ -346,6 +375,8 @@ cdef int _layout(Plan *p, int ndim, const int64_t *sizes, const unsigned char *r
 
 cdef void plan_free(Plan *p) noexcept nogil:
     cdef int t
+    free(p.scratch)
+    p.scratch = NULL
     for t in range(N_SLOTS):
         free(p.chan_offset[t])
         p.chan_offset[t] = NULL

@@ -26,8 +26,7 @@ ctypedef struct Schedule:
     int64_t group              # channels per item (channel-last slices, sweeps, fused groups)
     int64_t ngroups
     int64_t items              # work items of the first pass
-    int64_t partial_stride     # doubles between two blocks' sums (whole 64-byte lines)
-    int64_t partial_doubles    # scratch for the block sums
+    int64_t partial_doubles    # the block sums it keeps (at most the plan's scratch holds)
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil
 # What schedule_choose assumes of the machine (read at import; tests may set them)

@@ -141,7 +141,7 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
     cdef int64_t line = LINE // isz, width
     cdef int nt = s.nthreads
     cdef bint sums = (op & OP_REDUCE) != 0
-    s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
+    s.partial_doubles = p.partial_stride * p.nblocks if sums else 0
     s.kind = SCHED_LAST_SPLIT
     width = imin(C, TILE)
     if nt > 1 and p.nblocks * ((C + width - 1) // width) < ITEMS_PER_THREAD * nt:
@@ -170,7 +170,6 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.ngroups = 0
     s.items = 0
     s.partial_doubles = 0
-    s.partial_stride = (2 * C + 7) // 8 * 8
     if p.empty or not (sums or dx):
         s.kind = SCHED_NOTHING
         s.nthreads = 1
@@ -214,7 +213,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
             s.group = g if g > 0 else 1
             s.ngroups = (C + s.group - 1) // s.group
             s.items = s.ngroups
-            s.partial_doubles = s.partial_stride * p.nblocks
+            s.partial_doubles = p.partial_stride * p.nblocks
         else:
             s.kind = SCHED_MAJOR_CHANNEL_FUSED
             s.items = C
@@ -226,4 +225,4 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         s.items = p.nblocks * s.ngroups
     else:
         s.kind = SCHED_MAJOR_BLOCKS
-    s.partial_doubles = s.partial_stride * p.nblocks if sums else 0
+    s.partial_doubles = p.partial_stride * p.nblocks if sums else 0

@@ -147,6 +147,14 @@ ctypedef struct Plan:
     int64_t temp_strides[N_BIG][MAX_DIMS]     # the temporary's
     int64_t temp_low[N_BIG]                   # byte offset of its lowest element (<= 0)
     int64_t temp_bytes[N_BIG]
+    # The scratch of execute, sized and laid out here (the partition fixes it: plan_scratch)
+    # and allocated with the plan, so that an operator run many times allocates nothing.  An
+    # execute takes it for its duration; one that finds it taken (an operator run from two
+    # threads at once) allocates its own.
+    int64_t partial_stride    # doubles between two blocks' sums (whole 64-byte lines)
+    int64_t scratch_bytes
+    char *scratch
+    int scratch_taken
 
 
 cdef inline int64_t itemsize(int dtype) noexcept nogil:

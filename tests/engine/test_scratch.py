@@ -270,3 +270,64 @@ def test_every_road_to_the_forward_on_the_defect_as_found():
         y = BatchNorm(4)(t)
         ref = torch.nn.BatchNorm1d(4)(t)
     assert float((y - ref).abs().max()) < 1e-3 * float(ref.abs().max())
+
+
+# ---- an operator's scratch, reused ------------------------------------------------------------
+# A DirectML (or C) operator's plan holds its scratch: every execute reuses it, and one that
+# finds it taken by another thread's execute allocates its own.  Neither may carry anything
+# from one execute into the next.
+
+def _training_operator(shape, channel_last):
+    from bnbw_native import dml
+    n, c, rows = shape
+    big = (dml.TensorDesc("float32", (n, c, rows), (rows * c, 1, c)) if channel_last
+           else dml.TensorDesc("float32", (n, c, rows)))
+    stats = dml.TensorDesc("float32", (1, c, 1))
+    return dml.BatchNormalizationTraining(
+        input=big, mean=stats, variance=stats, scale=stats, bias=stats, output=big,
+        output_running_mean=stats, output_running_variance=stats, output_batch_mean=stats,
+        output_batch_variance=stats, epsilon=EPS, momentum=0.25)
+
+
+def _problem(rng, shape, channel_last, far):
+    n, c, rows = shape
+    x = rng.standard_normal((n, rows, c) if channel_last else (n, c, rows)).astype(np.float32)
+    x += np.float32(far)             # far from 0: the forward sums some channels again
+    stats = [rng.standard_normal((1, c, 1)).astype(np.float32) for _ in range(4)]
+    stats[1] = np.abs(stats[1]) + 1
+    return x, stats
+
+
+def _run(op, x, stats, num_threads=None):
+    out = np.empty_like(x)
+    outs = [np.empty_like(stats[0]) for _ in range(4)]
+    op.execute(input=x, mean=stats[0], variance=stats[1], scale=stats[2], bias=stats[3],
+               output=out, output_running_mean=outs[0], output_running_variance=outs[1],
+               output_batch_mean=outs[2], output_batch_variance=outs[3],
+               num_threads=num_threads)
+    return [out] + outs
+
+
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_an_operator_run_many_times_gives_a_fresh_operators_bits(rng, channel_last):
+    shape = (4, 40, 700)          # channel-last: several row blocks; channel-major: two tiles
+    op = _training_operator(shape, channel_last)
+    problems = [_problem(rng, shape, channel_last, far) for far in (0.0, 3e4, 1.0, -7e3)]
+    for x, stats in problems + problems[::-1]:
+        got = _run(op, x, stats, num_threads=2)
+        want = _run(_training_operator(shape, channel_last), x, stats, num_threads=1)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+def test_one_operator_from_many_threads_at_once(rng):
+    from concurrent.futures import ThreadPoolExecutor
+    shape = (8, 64, 512)
+    op = _training_operator(shape, True)
+    problems = [_problem(rng, shape, True, far) for far in (0.0, 2e4, -5.0, 9e3)] * 4
+    want = [_run(_training_operator(shape, True), x, s, num_threads=1) for x, s in problems]
+    with ThreadPoolExecutor(8) as pool:            # executes overlap: some find it taken
+        got = list(pool.map(lambda p: _run(op, *p, num_threads=1), problems))
+    for g_all, w_all in zip(got, want):
+        for g, w in zip(g_all, w_all):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
