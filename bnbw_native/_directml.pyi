@@ -13,6 +13,7 @@ CONVENTION: Convention
 TRAINING_CONVENTION: Convention
 POINTER_MAX: int
 DATA_TYPES: dict[str, int]
+ITEMSIZES: dict[str, int]
 OPERATOR_TYPES: dict[str, int]
 OPERATOR_KINDS: tuple[str, ...]
 

@@ -29,7 +29,7 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsCo
 from bnbw_native._vocabulary cimport (
     Layout, MAX_DIMS, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
     S_DBIAS, S_BETA, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_FORWARD, OP_RELU,
-    DO_FROZEN, DO_TRAINING, DO_FORWARD)
+    DO_FROZEN, DO_TRAINING, DO_FORWARD, itemsize, engine_dtype)
 from bnbw_native._headers cimport (
     bnbw_data_type, BNBW_DATA_TYPE_FLOAT32, BNBW_DATA_TYPE_FLOAT16, BNBW_DATA_TYPE_BFLOAT16,
     bnbw_tensor_desc, BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD,
@@ -188,7 +188,7 @@ cdef bnbw_status layout_check(int dtype, uint32_t ndim, const int64_t *sizes,
         return BNBW_ERROR_NULL_POINTER
     t.dtype = dtype
     t.ndim = <int> ndim
-    t.itemsize = 4 if dtype == BNBW_DATA_TYPE_FLOAT32 else 2
+    t.itemsize = itemsize(engine_dtype(dtype))
     for d in range(t.ndim):
         if sizes[d] < 1:
             snprintf(msg, cap, "%s%ssizes[%d] must be a positive integer, got %lld",
@@ -278,7 +278,7 @@ cdef bnbw_status operator_check(OperatorImpl *op, const bnbw_tensor_desc **descs
         if rc != BNBW_OK:
             return rc
         a[slot].present = True
-        a[slot].dtype = op.t[slot].dtype - 1      # bnbw_data_type -> the engine's DType
+        a[slot].dtype = engine_dtype(op.t[slot].dtype)
         strncpy(a[slot].type_name, type_text(a[slot].dtype), 39)
         a[slot].ndim = op.t[slot].ndim
         a[slot].writable = True
@@ -469,6 +469,7 @@ cdef bnbw_status op_execute(const OperatorImpl *op, const void **ptr, int num_th
 POINTER_MAX = <uintptr_t> -1
 DATA_TYPES = {"float32": BNBW_DATA_TYPE_FLOAT32, "float16": BNBW_DATA_TYPE_FLOAT16,
               "bfloat16": BNBW_DATA_TYPE_BFLOAT16}
+ITEMSIZES = {name: itemsize(engine_dtype(code)) for name, code in DATA_TYPES.items()}
 OPERATOR_TYPES = {"grad": BNBW_OPERATOR_BATCH_NORMALIZATION_GRAD,
                   "training_grad": BNBW_OPERATOR_BATCH_NORMALIZATION_TRAINING_GRAD}
 OPERATOR_KINDS = ("grad", "training_grad", "training")

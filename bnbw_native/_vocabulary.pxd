@@ -157,6 +157,11 @@ ctypedef struct Plan:
     int scratch_taken
 
 
+cdef inline int engine_dtype(int data_type) noexcept nogil:
+    """The DType of a C API bnbw_data_type (its codes are the kernels' plus one)."""
+    return data_type - 1
+
+
 cdef inline int64_t itemsize(int dtype) noexcept nogil:
     if dtype == DT_BOOL:
         return 1

@@ -42,7 +42,6 @@ __all__ = [
 
 MEMBERS = _directml.MEMBERS      # input, input_gradient, mean, variance, scale, output_...
 DATA_TYPES = ("float32", "float16", "bfloat16")
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _data_type(value):
@@ -103,7 +102,7 @@ class TensorDesc:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"array must be a NumPy array, got {type(array).__name__}")
         data_type = _data_type(array.dtype if data_type is None else data_type)
-        itemsize = _ITEMSIZE[data_type]
+        itemsize = _directml.ITEMSIZES[data_type]
         if array.dtype.itemsize != itemsize:
             raise TypeError(f"array has {array.dtype.itemsize}-byte items, data_type "
                             f"{data_type} needs {itemsize}")
@@ -157,7 +156,7 @@ class TensorDesc:
 
     @property
     def itemsize(self):
-        return _ITEMSIZE[self._data_type]
+        return _directml.ITEMSIZES[self._data_type]
 
     def _key(self):
         return (self._data_type, self._sizes, self._element_strides, self._total)
