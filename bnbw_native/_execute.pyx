@@ -25,12 +25,12 @@ from libc.string cimport memcpy, memmove, memset
 from cython.parallel cimport prange
 
 from bnbw_native._vocabulary cimport (
-    Plan, MAX_DIMS, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
+    Plan, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING,
     OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, SERIAL_BELOW,
     itemsize, imin, chan_origin, row_origin, load_stat, store_stat, applies_after_sums)
 from bnbw_native._headers cimport bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK
-from bnbw_native._plan cimport plan_scratch
+from bnbw_native._plan cimport plan_scratch, copy_strided
 from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_recentre,
                                     running_statistic)
 from bnbw_native._schedules cimport (
@@ -623,47 +623,17 @@ cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, c
                 break
             slots[t] = temp[t] - p.temp_low[t]
             if t == S_MASK:
-                _copy_strided(p.ndim, p.sizes, ptr[t], p.given_strides[t], slots[t],
+                copy_strided(p.ndim, p.sizes, ptr[t], p.given_strides[t], slots[t],
                               p.temp_strides[t], itemsize(p.mask_dtype))
     if rc == 0:
         rc = _run(p, s, k, slots, op, eps, momentum, count, sums_io)
     for t in range(N_BIG):
         if temp[t] != NULL:
             if rc == 0 and t != S_MASK:
-                _copy_strided(p.ndim, p.sizes, slots[t], p.temp_strides[t], ptr[t],
+                copy_strided(p.ndim, p.sizes, slots[t], p.temp_strides[t], ptr[t],
                               p.given_strides[t], itemsize(p.big_dtype))
             free(temp[t])
     return rc
-
-
-cdef void _copy_strided(int ndim, const int64_t *sizes, const char *src,
-                        const int64_t *src_strides, char *dst, const int64_t *dst_strides,
-                        int64_t size) noexcept nogil:
-    """dst[i] = src[i] for every index i of `sizes` (byte strides; elements of `size` bytes)."""
-    cdef int64_t idx[MAX_DIMS]
-    cdef int64_t k, s_off = 0, d_off = 0
-    cdef int d
-    for d in range(ndim):
-        idx[d] = 0
-        if sizes[d] == 0:
-            return
-    while True:
-        for k in range(sizes[ndim - 1]):       # the last dim in a loop, the others counted
-            memcpy(dst + d_off + k * dst_strides[ndim - 1],
-                   src + s_off + k * src_strides[ndim - 1], size)
-        d = ndim - 2
-        while d >= 0:
-            idx[d] += 1
-            s_off += src_strides[d]
-            d_off += dst_strides[d]
-            if idx[d] < sizes[d]:
-                break
-            s_off -= idx[d] * src_strides[d]
-            d_off -= idx[d] * dst_strides[d]
-            idx[d] = 0
-            d -= 1
-        if d < 0:
-            return
 
 
 cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr, int op,

@@ -61,6 +61,37 @@ cdef void plan_scratch(const Plan *p, char *memory, double **sums, float **float
     partial[0] = <double *> ((<size_t> (memory + 49 * C) + 63) & ~(<size_t> 63))
 
 
+cdef void copy_strided(int ndim, const int64_t *sizes, const char *src,
+                        const int64_t *src_strides, char *dst, const int64_t *dst_strides,
+                        int64_t size) noexcept nogil:
+    """dst[i] = src[i] for every index i of `sizes` (byte strides; elements of `size` bytes):
+    an operand into or out of its temporary."""
+    cdef int64_t idx[MAX_DIMS]
+    cdef int64_t k, s_off = 0, d_off = 0
+    cdef int d
+    for d in range(ndim):
+        idx[d] = 0
+        if sizes[d] == 0:
+            return
+    while True:
+        for k in range(sizes[ndim - 1]):       # the last dim in a loop, the others counted
+            memcpy(dst + d_off + k * dst_strides[ndim - 1],
+                   src + s_off + k * src_strides[ndim - 1], size)
+        d = ndim - 2
+        while d >= 0:
+            idx[d] += 1
+            s_off += src_strides[d]
+            d_off += dst_strides[d]
+            if idx[d] < sizes[d]:
+                break
+            s_off -= idx[d] * src_strides[d]
+            d_off -= idx[d] * dst_strides[d]
+            idx[d] = 0
+            d -= 1
+        if d < 0:
+            return
+
+
 cdef int _build(Plan *p, const Layout *l) noexcept nogil:
     cdef int ndim = l.ndim
     cdef const int64_t *sizes = l.sizes
