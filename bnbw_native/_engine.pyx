@@ -27,7 +27,7 @@ from bnbw_native._headers cimport (
 from bnbw_native._plan cimport plan_build, plan_free
 from bnbw_native._schedules cimport Schedule, schedule_choose
 from bnbw_native._execute cimport execute
-from bnbw_native._formulas cimport forward_recentre
+from bnbw_native._formulas cimport forward_recentre, forward_coefficients, running_statistic
 
 import numpy as np
 
@@ -196,3 +196,21 @@ def recentred_shifts(const float[:] shift, const double[:, :] sums, double count
     for c in range(shift.shape[0]):
         moved = forward_recentre(shift[c], sums[0, c], sums[1, c], count, &out[c]) or moved
     return np.asarray(out) if moved else None
+
+
+def torch_running_statistics(const float[:] shift, const double[:, :] sums, double count,
+                             const double[:] old_mean, const double[:] old_var, double momentum):
+    """PyTorch's running mean and variance (f64, [2][C]) after a batch whose forward sums
+    around `shift` over `count` > 1 elements per channel are `sums`: the rule the engine's
+    forward applies (bnbw_native._formulas), for the torch layers' process groups."""
+    cdef Py_ssize_t c
+    cdef float mean_hi, k, b
+    cdef double mean, var
+    out = np.empty((2, shift.shape[0]), np.float64)
+    cdef double[:, ::1] o = out
+    for c in range(shift.shape[0]):
+        forward_coefficients(shift[c], sums[0, c], sums[1, c], count, 1.0, 0.0, 1.0, &mean_hi,
+                             &k, &b, &mean, &var)
+        o[0, c] = running_statistic(old_mean[c], mean, momentum, count, True, False)
+        o[1, c] = running_statistic(old_var[c], var, momentum, count, True, True)
+    return out

@@ -15,8 +15,9 @@ the custom-op wrappers (EagerLayerStep), about 60 us per layer and step.
 
 The new running statistics are PyTorch's update of running_mean and running_var (None: not
 tracked, and the new ones are empty): (1 - factor) * old + factor * batch, the variance
-unbiased (M / (M - 1)); without a group in the forward's native call, from its float64
-statistics rounded once; with a group by torch ops on the float32 ones.  The operator is
+unbiased (M / (M - 1)), from the exact batch statistics in float64, rounded once: without a
+group in the forward's native call, with one from the all-reduced sums by the same rule
+(_engine.torch_running_statistics).  The operator is
 functional (autograd formulas need that) and the layer stores them; EagerLayerStep has the
 kernel write them in place, the same bits.
 
@@ -38,7 +39,7 @@ from ._arrays import (PARAMS, PARAMS_FROM_SUMS, TRAINING, backward, forward,
                       register_tensor_types)
 from ._onednn_graph import FORWARD, GRAPH
 from ._two_phase import TWO_PHASE, forward_apply, forward_reduce
-from ._engine import recentred_shifts
+from ._engine import recentred_shifts, torch_running_statistics
 
 STORAGE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -156,15 +157,6 @@ def _f32(p):
 
 # ---- forward -----------------------------------------------------------------------------
 
-def _update_running(running, mean, var, count, factor, updated):
-    """PyTorch's running-statistics update by torch ops, from float32 batch statistics, into
-    `updated` (which may be `running` itself)."""
-    with torch.no_grad():
-        torch.mul(running[0], 1 - factor, out=updated[0]).add_(mean, alpha=factor)
-        torch.mul(running[1], 1 - factor, out=updated[1]).add_(var * (count / (count - 1)),
-                                                               alpha=factor)
-
-
 def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, updated=None):
     """(y, batch mean, biased batch variance, element count per channel) of a training batch
     norm; with `running` (running_mean, running_var), their update written to `updated` (the
@@ -172,10 +164,7 @@ def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, up
     channels = x.shape[1]
     nt = threads(num_threads)
     if group:
-        y, mean, var, count = _sync_forward(x, weight, bias, eps, relu, group, nt)
-        if running is not None:
-            _update_running(running, mean, var, count, factor, updated)
-        return y, mean, var, count
+        return _sync_forward(x, weight, bias, running, factor, eps, relu, group, nt, updated)
     count = x.numel() // channels if channels else 0
     if count == 0:
         raise ValueError("batch norm in training mode needs at least one value per "
@@ -191,8 +180,9 @@ def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, up
     return y, mean, var, count
 
 
-def _sync_forward(x, weight, bias, eps, relu, group, nt):
-    """_forward over a process group: the sums all-reduced between the two phases."""
+def _sync_forward(x, weight, bias, running, factor, eps, relu, group, nt, updated):
+    """_forward over a process group: the sums all-reduced between the two phases; the running
+    statistics from the global sums by the engine's rule (the same bits as one process)."""
     perm, data_format = channel_order(x)
     channels = x.shape[1]
     y = torch.empty_like(x)
@@ -205,6 +195,12 @@ def _sync_forward(x, weight, bias, eps, relu, group, nt):
     shift, sums, count = _sync_sums(xs, data_format, channels, _group(group), nt)
     forward_apply(xs, shift, gamma, beta, sums, count, epsilon=eps, data_format=data_format,
                   relu=relu, out=out, num_threads=nt)
+    if running is not None:
+        old = [r.detach().to(torch.float32).double().numpy() for r in running]
+        new = torch.from_numpy(torch_running_statistics(shift, sums, count, *old, factor))
+        with torch.no_grad():
+            updated[0].copy_(new[0])
+            updated[1].copy_(new[1])
     return y, mean, var, count
 
 

@@ -170,6 +170,32 @@ def test_running_statistics_are_pytorchs_update_rounded_once(momentum, channels_
     assert (layer.running_mean.data_ptr(), layer.running_var.data_ptr()) == where
 
 
+@pytest.mark.parametrize("momentum", [0.1, 0.0, 1.0])
+def test_a_process_groups_running_statistics_are_one_process_bits(momentum):
+    # SyncBatchNorm's ranks update their running statistics from the all-reduced forward sums
+    # (_engine.torch_running_statistics).  Given the sums one process takes - around each
+    # channel's first element, on the same plan - the rule gives exactly the one-process layer's
+    # bits, far from zero too (where an update in float32 torch ops loses them)
+    from bnbw_native import _engine
+    from bnbw_native._two_phase import forward_reduce
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(9, 6, 5, 7, generator=g) * 0.5 + 40
+    old = (torch.randn(6, generator=g) * 3, torch.rand(6, generator=g) + 0.5)
+    layer = bag.BatchNorm(6, momentum=momentum)
+    with torch.no_grad():
+        layer.running_mean.copy_(old[0])
+        layer.running_var.copy_(old[1])
+    layer(x)
+    xs = x.numpy()
+    shift = np.ascontiguousarray(xs[0, :, 0, 0])
+    sums, count = forward_reduce(xs, shift, data_format="NCX")
+    new = _engine.torch_running_statistics(shift, sums, count, old[0].double().numpy(),
+                                           old[1].double().numpy(), momentum)
+    for got, want in zip((layer.running_mean, layer.running_var), new):
+        np.testing.assert_array_equal(got.numpy().view(np.uint32),
+                                      want.astype(np.float32).view(np.uint32))
+
+
 def test_running_statistics_of_another_dtype_are_updated_through_float32():
     # a layer made in float16 keeps float16 buffers: the float32 update, stored back
     ours = bag.BatchNorm(4, dtype=torch.float16)
