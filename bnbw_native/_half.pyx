@@ -72,32 +72,30 @@ cdef int _check(cnp.ndarray narrow, int itemsize, cnp.ndarray wide, bint narrow_
     return 0
 
 
-cdef void _load(load_fn fn, const char *src, int64_t stride, int64_t n, float *dst,
-                int threads) noexcept nogil:
+cdef inline void _convert_piece(load_fn load, store_fn store, char *narrow, int64_t stride,
+                                float *wide, int64_t n, int simd) noexcept nogil:
+    if load != NULL:
+        load(narrow, stride, n, wide, simd)
+    else:
+        store(wide, n, narrow, stride, simd)
+
+
+cdef void _convert(load_fn load, store_fn store, char *narrow, int64_t stride, float *wide,
+                   int64_t n, int threads) noexcept nogil:
+    """n elements between `narrow` (byte step `stride`) and contiguous `wide`: widened by `load`
+    when it is given, else narrowed by `store`; on the calling thread, or in CHUNK-sized pieces
+    handed out to `threads` threads."""
     cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
     cdef int64_t c, start
     cdef int simd = simd_converters()
     if n < SERIAL_BELOW or threads == 1:
-        fn(src, stride, n, dst, simd)
+        _convert_piece(load, store, narrow, stride, wide, n, simd)
         return
     team_started()
     for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
         start = c * CHUNK
-        fn(src + start * stride, stride, min(CHUNK, n - start), dst + start, simd)
-
-
-cdef void _store(store_fn fn, const float *src, int64_t n, char *dst, int64_t stride,
-                 int threads) noexcept nogil:
-    cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
-    cdef int64_t c, start
-    cdef int simd = simd_converters()
-    if n < SERIAL_BELOW or threads == 1:
-        fn(src, n, dst, stride, simd)
-        return
-    team_started()
-    for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
-        start = c * CHUNK
-        fn(src + start, min(CHUNK, n - start), dst + start * stride, stride, simd)
+        _convert_piece(load, store, narrow + start * stride, stride, wide + start,
+                       min(CHUNK, n - start), simd)
 
 
 def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
@@ -113,7 +111,7 @@ def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int nu
     cdef int64_t n = cnp.PyArray_DIM(src, 0)
     cdef float *dp = <float *>cnp.PyArray_DATA(dst)
     with nogil:
-        _load(fn, sp, stride, n, dp, threads)
+        _convert(fn, NULL, <char *>sp, stride, dp, n, threads)
 
 
 def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
@@ -129,26 +127,24 @@ def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int n
     cdef int64_t stride = cnp.PyArray_STRIDE(dst, 0)
     cdef int64_t n = cnp.PyArray_DIM(dst, 0)
     with nogil:
-        _store(fn, sp, n, dp, stride, threads)
+        _convert(NULL, fn, dp, stride, <float *>sp, n, threads)
 
 
 def _f64_to_f16_bits(const double[::1] src):
     """bnbw_f64_to_f16 over an array, as uint16 bit patterns (exposes the core's scalar rounding to tests)."""
-    out = np.empty(src.shape[0], dtype=np.uint16)
-    cdef uint16_t[::1] o = out
-    cdef Py_ssize_t i
-    with nogil:
-        for i in range(src.shape[0]):
-            o[i] = bnbw_f64_to_f16(src[i]).bits
-    return out
+    return _f64_to_16_bits(src, False)
 
 
 def _f64_to_bf16_bits(const double[::1] src):
     """bnbw_f64_to_bf16 over an array, as uint16 bit patterns."""
+    return _f64_to_16_bits(src, True)
+
+
+cdef _f64_to_16_bits(const double[::1] src, bint bf16):
     out = np.empty(src.shape[0], dtype=np.uint16)
     cdef uint16_t[::1] o = out
     cdef Py_ssize_t i
     with nogil:
         for i in range(src.shape[0]):
-            o[i] = bnbw_f64_to_bf16(src[i]).bits
+            o[i] = bnbw_f64_to_bf16(src[i]).bits if bf16 else bnbw_f64_to_f16(src[i]).bits
     return out
