@@ -98,36 +98,39 @@ cdef void _convert(load_fn load, store_fn store, char *narrow, int64_t stride, f
                        min(CHUNK, n - start), simd)
 
 
+cdef int _convert_arrays(str kind, cnp.ndarray narrow, cnp.ndarray wide, bint narrow_out,
+                        int num_threads) except -1:
+    """load (narrow_out false) or store (true) between the arrays `narrow` and `wide`."""
+    cdef int itemsize = _itemsize(kind)
+    cdef load_fn load_f = NULL
+    cdef store_fn store_f = NULL
+    if narrow_out:
+        store_f = (bnbw_store_f16 if kind == "f16" else
+                   bnbw_store_bf16 if kind == "bf16" else _store_f32)
+    else:
+        load_f = (bnbw_load_f16 if kind == "f16" else
+                  bnbw_load_bf16 if kind == "bf16" else _load_f32)
+    cdef int threads = resolve_threads(num_threads)
+    _check(narrow, itemsize, wide, narrow_out)
+    cdef char *np_ = <char *>cnp.PyArray_DATA(narrow)
+    cdef int64_t stride = cnp.PyArray_STRIDE(narrow, 0)
+    cdef int64_t n = cnp.PyArray_DIM(narrow, 0)
+    cdef float *wp = <float *>cnp.PyArray_DATA(wide)
+    with nogil:
+        _convert(load_f, store_f, np_, stride, wp, n, threads)
+    return 0
+
+
 def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
     """Widen 1-d `src` (kind 'f16', 'bf16' or 'f32'; any byte stride) into contiguous float32
     `dst` on num_threads threads (0: the package default), resolved as every call is."""
-    cdef int itemsize = _itemsize(kind)
-    cdef load_fn fn = (bnbw_load_f16 if kind == "f16" else
-                       bnbw_load_bf16 if kind == "bf16" else _load_f32)
-    cdef int threads = resolve_threads(num_threads)
-    _check(src, itemsize, dst, False)
-    cdef const char *sp = <const char *>cnp.PyArray_DATA(src)
-    cdef int64_t stride = cnp.PyArray_STRIDE(src, 0)
-    cdef int64_t n = cnp.PyArray_DIM(src, 0)
-    cdef float *dp = <float *>cnp.PyArray_DATA(dst)
-    with nogil:
-        _convert(fn, NULL, <char *>sp, stride, dp, n, threads)
+    _convert_arrays(kind, src, dst, False, num_threads)
 
 
 def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
     """Narrow contiguous float32 `src` into 1-d `dst` (kind 'f16', 'bf16' or 'f32'; any byte
     stride) on num_threads threads (0: the package default)."""
-    cdef int itemsize = _itemsize(kind)
-    cdef store_fn fn = (bnbw_store_f16 if kind == "f16" else
-                        bnbw_store_bf16 if kind == "bf16" else _store_f32)
-    cdef int threads = resolve_threads(num_threads)
-    _check(dst, itemsize, src, True)
-    cdef const float *sp = <const float *>cnp.PyArray_DATA(src)
-    cdef char *dp = <char *>cnp.PyArray_DATA(dst)
-    cdef int64_t stride = cnp.PyArray_STRIDE(dst, 0)
-    cdef int64_t n = cnp.PyArray_DIM(dst, 0)
-    with nogil:
-        _convert(NULL, fn, dp, stride, <float *>sp, n, threads)
+    _convert_arrays(kind, dst, src, True, num_threads)
 
 
 def _f64_to_f16_bits(const double[::1] src):
