@@ -72,83 +72,82 @@ cdef int _check(cnp.ndarray narrow, int itemsize, cnp.ndarray wide, bint narrow_
     return 0
 
 
-cdef void _load(load_fn fn, const char *src, int64_t stride, int64_t n, float *dst,
-                int threads) noexcept nogil:
+cdef inline void _convert_piece(load_fn load, store_fn store, char *narrow, int64_t stride,
+                                float *wide, int64_t n, int simd) noexcept nogil:
+    if load != NULL:
+        load(narrow, stride, n, wide, simd)
+    else:
+        store(wide, n, narrow, stride, simd)
+
+
+cdef void _convert(load_fn load, store_fn store, char *narrow, int64_t stride, float *wide,
+                   int64_t n, int threads) noexcept nogil:
+    """n elements between `narrow` (byte step `stride`) and contiguous `wide`: widened by `load`
+    when it is given, else narrowed by `store`; on the calling thread, or in CHUNK-sized pieces
+    handed out to `threads` threads."""
     cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
     cdef int64_t c, start
     cdef int simd = simd_converters()
     if n < SERIAL_BELOW or threads == 1:
-        fn(src, stride, n, dst, simd)
+        _convert_piece(load, store, narrow, stride, wide, n, simd)
         return
     team_started()
     for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
         start = c * CHUNK
-        fn(src + start * stride, stride, min(CHUNK, n - start), dst + start, simd)
+        _convert_piece(load, store, narrow + start * stride, stride, wide + start,
+                       min(CHUNK, n - start), simd)
 
 
-cdef void _store(store_fn fn, const float *src, int64_t n, char *dst, int64_t stride,
-                 int threads) noexcept nogil:
-    cdef int64_t nchunks = (n + CHUNK - 1) // CHUNK
-    cdef int64_t c, start
-    cdef int simd = simd_converters()
-    if n < SERIAL_BELOW or threads == 1:
-        fn(src, n, dst, stride, simd)
-        return
-    team_started()
-    for c in prange(nchunks, schedule="dynamic", num_threads=min(threads, nchunks)):
-        start = c * CHUNK
-        fn(src + start, min(CHUNK, n - start), dst + start * stride, stride, simd)
+cdef int _convert_arrays(str kind, cnp.ndarray narrow, cnp.ndarray wide, bint narrow_out,
+                        int num_threads) except -1:
+    """load (narrow_out false) or store (true) between the arrays `narrow` and `wide`."""
+    cdef int itemsize = _itemsize(kind)
+    cdef load_fn load_f = NULL
+    cdef store_fn store_f = NULL
+    if narrow_out:
+        store_f = (bnbw_store_f16 if kind == "f16" else
+                   bnbw_store_bf16 if kind == "bf16" else _store_f32)
+    else:
+        load_f = (bnbw_load_f16 if kind == "f16" else
+                  bnbw_load_bf16 if kind == "bf16" else _load_f32)
+    cdef int threads = resolve_threads(num_threads)
+    _check(narrow, itemsize, wide, narrow_out)
+    cdef char *np_ = <char *>cnp.PyArray_DATA(narrow)
+    cdef int64_t stride = cnp.PyArray_STRIDE(narrow, 0)
+    cdef int64_t n = cnp.PyArray_DIM(narrow, 0)
+    cdef float *wp = <float *>cnp.PyArray_DATA(wide)
+    with nogil:
+        _convert(load_f, store_f, np_, stride, wp, n, threads)
+    return 0
 
 
 def load(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
     """Widen 1-d `src` (kind 'f16', 'bf16' or 'f32'; any byte stride) into contiguous float32
     `dst` on num_threads threads (0: the package default), resolved as every call is."""
-    cdef int itemsize = _itemsize(kind)
-    cdef load_fn fn = (bnbw_load_f16 if kind == "f16" else
-                       bnbw_load_bf16 if kind == "bf16" else _load_f32)
-    cdef int threads = resolve_threads(num_threads)
-    _check(src, itemsize, dst, False)
-    cdef const char *sp = <const char *>cnp.PyArray_DATA(src)
-    cdef int64_t stride = cnp.PyArray_STRIDE(src, 0)
-    cdef int64_t n = cnp.PyArray_DIM(src, 0)
-    cdef float *dp = <float *>cnp.PyArray_DATA(dst)
-    with nogil:
-        _load(fn, sp, stride, n, dp, threads)
+    _convert_arrays(kind, src, dst, False, num_threads)
 
 
 def store(str kind, cnp.ndarray src not None, cnp.ndarray dst not None, *, int num_threads=0):
     """Narrow contiguous float32 `src` into 1-d `dst` (kind 'f16', 'bf16' or 'f32'; any byte
     stride) on num_threads threads (0: the package default)."""
-    cdef int itemsize = _itemsize(kind)
-    cdef store_fn fn = (bnbw_store_f16 if kind == "f16" else
-                        bnbw_store_bf16 if kind == "bf16" else _store_f32)
-    cdef int threads = resolve_threads(num_threads)
-    _check(dst, itemsize, src, True)
-    cdef const float *sp = <const float *>cnp.PyArray_DATA(src)
-    cdef char *dp = <char *>cnp.PyArray_DATA(dst)
-    cdef int64_t stride = cnp.PyArray_STRIDE(dst, 0)
-    cdef int64_t n = cnp.PyArray_DIM(dst, 0)
-    with nogil:
-        _store(fn, sp, n, dp, stride, threads)
+    _convert_arrays(kind, dst, src, True, num_threads)
 
 
 def _f64_to_f16_bits(const double[::1] src):
     """bnbw_f64_to_f16 over an array, as uint16 bit patterns (exposes the core's scalar rounding to tests)."""
-    out = np.empty(src.shape[0], dtype=np.uint16)
-    cdef uint16_t[::1] o = out
-    cdef Py_ssize_t i
-    with nogil:
-        for i in range(src.shape[0]):
-            o[i] = bnbw_f64_to_f16(src[i]).bits
-    return out
+    return _f64_to_16_bits(src, False)
 
 
 def _f64_to_bf16_bits(const double[::1] src):
     """bnbw_f64_to_bf16 over an array, as uint16 bit patterns."""
+    return _f64_to_16_bits(src, True)
+
+
+cdef _f64_to_16_bits(const double[::1] src, bint bf16):
     out = np.empty(src.shape[0], dtype=np.uint16)
     cdef uint16_t[::1] o = out
     cdef Py_ssize_t i
     with nogil:
         for i in range(src.shape[0]):
-            o[i] = bnbw_f64_to_bf16(src[i]).bits
+            o[i] = bnbw_f64_to_bf16(src[i]).bits if bf16 else bnbw_f64_to_f16(src[i]).bits
     return out

@@ -84,17 +84,38 @@ cdef void _bounds(const Arg *a, uintptr_t *lo, uint64_t *nbytes) noexcept nogil:
     nbytes[0] = <uint64_t> (high - low) + (itemsize(a.dtype) if a.dtype != DT_OTHER else 1)
 
 
+cdef void _sort_terms(int m, int64_t *n, int64_t *c) noexcept nogil:
+    """Orders the m terms (c[i], n[i]) by descending c: an insertion sort, m being a few
+    dimensions."""
+    cdef int64_t tmp
+    cdef int i, j
+    for i in range(1, m):
+        j = i
+        while j > 0 and c[j - 1] < c[j]:
+            tmp = c[j - 1]; c[j - 1] = c[j]; c[j] = tmp
+            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
+            j -= 1
+
+
+cdef void _fill_reach(int m, const int64_t *n, const int64_t *c, int64_t *reach) noexcept nogil:
+    """reach[i] = sum over j >= i of (n[j] - 1) * c[j]: how far terms i.. can move a sum."""
+    cdef int i
+    reach[m] = 0
+    for i in range(m - 1, -1, -1):
+        reach[i] = reach[i + 1] + (n[i] - 1) * c[i]
+
+
 cdef int may_share(const Arg *a, const Arg *b) noexcept nogil:
     """0 when no element of a shares a byte with an element of b, 1 when one does, -1 when
     the search could not decide."""
     cdef uintptr_t alo, blo
     cdef uint64_t abytes, bbytes
-    cdef int64_t v, size, tmp
+    cdef int64_t v, size
     cdef int64_t n[2 * ARG_DIMS]
     cdef int64_t c[2 * ARG_DIMS]
     cdef int64_t reach[2 * ARG_DIMS + 1]
     cdef int64_t const = 0, budget = OVERLAP_BUDGET
-    cdef int m = 0, d, i, j
+    cdef int m = 0, d, i
     _bounds(a, &alo, &abytes)
     _bounds(b, &blo, &bbytes)
     if not ranges_overlap(alo, abytes, blo, bbytes):
@@ -114,15 +135,8 @@ cdef int may_share(const Arg *a, const Arg *b) noexcept nogil:
             n[m] = size
             c[m] = v
             m += 1
-    for i in range(1, m):                  # insertion sort, descending coefficients
-        j = i
-        while j > 0 and c[j - 1] < c[j]:
-            tmp = c[j - 1]; c[j - 1] = c[j]; c[j] = tmp
-            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
-            j -= 1
-    reach[m] = 0
-    for i in range(m - 1, -1, -1):
-        reach[i] = reach[i + 1] + (n[i] - 1) * c[i]
+    _sort_terms(m, n, c)
+    _fill_reach(m, n, c, reach)
     return _solve(m, n, c, reach, 0, -(itemsize(a.dtype) - 1) - const,
                   itemsize(b.dtype) - 1 - const, &budget)
 
@@ -159,8 +173,8 @@ cdef int self_overlap(const Arg *a, int *zero_dim) noexcept nogil:
     cdef int64_t n[ARG_DIMS]
     cdef int64_t s[ARG_DIMS]
     cdef int64_t reach[ARG_DIMS + 1]
-    cdef int64_t extent = 0, tmp, budget = OVERLAP_BUDGET, isz = itemsize(a.dtype)
-    cdef int m = 0, d, i, j
+    cdef int64_t extent = 0, budget = OVERLAP_BUDGET, isz = itemsize(a.dtype)
+    cdef int m = 0, d, i
     zero_dim[0] = -1
     for d in range(a.ndim):
         if a.shape[d] == 0:
@@ -173,12 +187,7 @@ cdef int self_overlap(const Arg *a, int *zero_dim) noexcept nogil:
             n[m] = a.shape[d]
             s[m] = a.strides[d] // isz if a.strides[d] > 0 else -a.strides[d] // isz
             m += 1
-    for i in range(1, m):                  # insertion sort, descending strides
-        j = i
-        while j > 0 and s[j - 1] < s[j]:
-            tmp = s[j - 1]; s[j - 1] = s[j]; s[j] = tmp
-            tmp = n[j - 1]; n[j - 1] = n[j]; n[j] = tmp
-            j -= 1
+    _sort_terms(m, n, s)
     # sufficient: each stride beyond everything the smaller strides reach
     i = m - 1
     while i >= 0 and s[i] > extent:
@@ -186,9 +195,7 @@ cdef int self_overlap(const Arg *a, int *zero_dim) noexcept nogil:
         i -= 1
     if i < 0:
         return 0
-    reach[m] = 0
-    for i in range(m - 1, -1, -1):
-        reach[i] = reach[i + 1] + (n[i] - 1) * s[i]
+    _fill_reach(m, n, s, reach)
     return _collide(n, s, reach, 0, m, 0, False, &budget)
 
 

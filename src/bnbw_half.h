@@ -117,22 +117,29 @@ static inline bnbw_f16 bnbw_f32_to_f16(float f)
     return r;
 }
 
-static inline bnbw_f16 bnbw_f64_to_f16(double d)
+/* A double rounded once to the 16-bit format bnbw__narrow describes by dst_frac and dst_bias.
+ * A NaN keeps the top of its payload (made non-zero) when keep_payload, as NumPy's float16
+ * does; otherwise it becomes the quiet NaN, as ml_dtypes' bfloat16 does. */
+static inline uint16_t bnbw__f64_to_16(double d, int dst_frac, int dst_bias, int keep_payload)
 {
     uint64_t x;
     memcpy(&x, &d, 8);
     uint16_t sign = (uint16_t)((x >> 48) & 0x8000u);
     uint32_t exp = (uint32_t)(x >> 52) & 0x7ffu;
     uint64_t frac = x & ((UINT64_C(1) << 52) - 1);
-    bnbw_f16 r;
     if (exp == 0x7ff) {
-        uint32_t m = (uint32_t)(frac >> 42);
-        r.bits = (uint16_t)(sign | 0x7c00u | (frac && !m ? 1u : m));
-        return r;
+        uint32_t inf = (uint32_t)(2 * dst_bias + 1) << dst_frac;
+        uint32_t m = keep_payload ? (uint32_t)(frac >> (52 - dst_frac)) : 1u << (dst_frac - 1);
+        return (uint16_t)(sign | inf | (frac ? (m ? m : 1u) : 0u));
     }
     uint64_t sig = exp ? (frac | (UINT64_C(1) << 52)) : frac;
     int e = exp ? (int)exp - 1023 : -1022;
-    r.bits = (uint16_t)(sign | bnbw__narrow(sig, e, 52, 10, 15));
+    return (uint16_t)(sign | bnbw__narrow(sig, e, 52, dst_frac, dst_bias));
+}
+
+static inline bnbw_f16 bnbw_f64_to_f16(double d)
+{
+    bnbw_f16 r = {bnbw__f64_to_16(d, 10, 15, 1)};
     return r;
 }
 
@@ -154,19 +161,7 @@ static inline bnbw_bf16 bnbw_f32_to_bf16(float f)
 
 static inline bnbw_bf16 bnbw_f64_to_bf16(double d)
 {
-    uint64_t x;
-    memcpy(&x, &d, 8);
-    uint16_t sign = (uint16_t)((x >> 48) & 0x8000u);
-    uint32_t exp = (uint32_t)(x >> 52) & 0x7ffu;
-    uint64_t frac = x & ((UINT64_C(1) << 52) - 1);
-    bnbw_bf16 r;
-    if (exp == 0x7ff) {
-        r.bits = (uint16_t)(sign | (frac ? 0x7fc0u : 0x7f80u));
-        return r;
-    }
-    uint64_t sig = exp ? (frac | (UINT64_C(1) << 52)) : frac;
-    int e = exp ? (int)exp - 1023 : -1022;
-    r.bits = (uint16_t)(sign | bnbw__narrow(sig, e, 52, 7, 127));
+    bnbw_bf16 r = {bnbw__f64_to_16(d, 7, 127, 0)};
     return r;
 }
 
@@ -175,33 +170,25 @@ static inline bnbw_bf16 bnbw_f64_to_bf16(double d)
 static inline uint16_t bnbw__get16(const char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline void bnbw__put16(char *p, uint16_t v) { memcpy(p, &v, 2); }
 
-static BNBW__UNUSED void bnbw__load_f16_portable(const char *src, int64_t n, float *dst)
-{
-    for (int64_t i = 0; i < n; i++) {
-        bnbw_f16 h = {bnbw__get16(src + 2 * i)};
-        dst[i] = bnbw_f16_to_f32(h);
+/* bnbw__load_NAME_portable and bnbw__store_NAME_portable: rows of the 16-bit format NAME (T its
+ * storage type) element by element, through the scalar functions above. */
+#define BNBW__PORTABLE_ROWS(NAME, T)                                                             \
+    static BNBW__UNUSED void bnbw__load_##NAME##_portable(const char *src, int64_t n,          \
+                                                          float *dst)                          \
+    {                                                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            T h = {bnbw__get16(src + 2 * i)};                                                  \
+            dst[i] = bnbw_##NAME##_to_f32(h);                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    static BNBW__UNUSED void bnbw__store_##NAME##_portable(const float *src, int64_t n,        \
+                                                           char *dst)                          \
+    {                                                                                          \
+        for (int64_t i = 0; i < n; i++)                                                        \
+            bnbw__put16(dst + 2 * i, bnbw_f32_to_##NAME(src[i]).bits);                         \
     }
-}
-
-static BNBW__UNUSED void bnbw__store_f16_portable(const float *src, int64_t n, char *dst)
-{
-    for (int64_t i = 0; i < n; i++)
-        bnbw__put16(dst + 2 * i, bnbw_f32_to_f16(src[i]).bits);
-}
-
-static BNBW__UNUSED void bnbw__load_bf16_portable(const char *src, int64_t n, float *dst)
-{
-    for (int64_t i = 0; i < n; i++) {
-        bnbw_bf16 h = {bnbw__get16(src + 2 * i)};
-        dst[i] = bnbw_bf16_to_f32(h);
-    }
-}
-
-static BNBW__UNUSED void bnbw__store_bf16_portable(const float *src, int64_t n, char *dst)
-{
-    for (int64_t i = 0; i < n; i++)
-        bnbw__put16(dst + 2 * i, bnbw_f32_to_bf16(src[i]).bits);
-}
+BNBW__PORTABLE_ROWS(f16, bnbw_f16)
+BNBW__PORTABLE_ROWS(bf16, bnbw_bf16)
 
 /* ---------------------------------------------------------------- contiguous AVX2/F16C rows */
 
@@ -280,64 +267,62 @@ static BNBW__UNUSED BNBW__AVX2 void bnbw__load_bf16_avx2(const char *src, int64_
     bnbw__load_bf16_portable(src + 2 * i, n - i, dst + i);
 }
 
+/* The AVX2 bf16 rounding, shared with the kernels' AVX2 layer (bnbw_simd_avx2.h), which
+   inlines it into its loops. */
+#define BNBW__AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
 /* 8 f32 lanes rounded to nearest even bf16, each in the high half of its 32-bit lane (the
    low half is left over); right for every lane that is not a NaN. */
-static inline BNBW__AVX2 __m256i bnbw__bf16_round8_high(__m256i x)
+BNBW__AVX2_INLINE __m256i bnbw__bf16_round8_high(__m256i x)
 {
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
     return _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
 }
 
-/* ... each in the low half of its lane. */
-static inline BNBW__AVX2 __m256i bnbw__bf16_round8_numbers(__m256i x)
+/* The bf16 of a NaN x: the quiet NaN 0x7fc0 with x's sign, in the high half of the lane. */
+BNBW__AVX2_INLINE __m256i bnbw__bf16_quiet8_high(__m256i x)
 {
-    return _mm256_srli_epi32(bnbw__bf16_round8_high(x), 16);
+    return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32((int)0x80000000u)),
+                           _mm256_set1_epi32(0x7fc00000));
 }
 
-/* The bf16 of a NaN x: the quiet NaN 0x7fc0 with x's sign, in the low half of the lane. */
-static inline BNBW__AVX2 __m256i bnbw__bf16_quiet8(__m256i x)
+/* 8 f32 lanes as bf16 in the high half of each lane, NaN lanes too when `any_nan`. */
+BNBW__AVX2_INLINE __m256i bnbw__bf16_high8(__m256 a, int any_nan)
 {
-    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x8000)),
-                           _mm256_set1_epi32(0x7fc0));
+    __m256i x = _mm256_castps_si256(a), r = bnbw__bf16_round8_high(x);
+    if (any_nan)
+        r = _mm256_blendv_epi8(r, bnbw__bf16_quiet8_high(x),
+                               _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+    return r;
 }
 
-/* ... and NaN lanes (mask `nan`) replaced by their quiet NaN. */
-static inline BNBW__AVX2 __m256i bnbw__bf16_fix_nans(__m256i x, __m256i r, __m256i nan)
+/* Whether a or b holds a NaN.  NaNs are rare: one test for 16 lanes, and the fix-up only when
+   it finds one. */
+BNBW__AVX2_INLINE int bnbw__any_nan16(__m256 a, __m256 b)
 {
-    return _mm256_blendv_epi8(r, bnbw__bf16_quiet8(x), nan);
+    __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+    return !_mm256_testz_ps(nan, nan);
 }
 
-/* 16 f32 lanes (a: elements 0-7, b: 8-15) as 16 bf16 in element order.  NaNs are rare: one
-   test for both halves, and the fix-up only when it finds one. */
-static inline BNBW__AVX2 __m256i bnbw__bf16_pack16(__m256 a, __m256 b)
+/* 16 f32 lanes (a: elements 0-7, b: 8-15) as 16 bf16 in element order. */
+BNBW__AVX2_INLINE __m256i bnbw__bf16_pack16(__m256 a, __m256 b)
 {
-    __m256i xa = _mm256_castps_si256(a), xb = _mm256_castps_si256(b);
-    __m256i ra = bnbw__bf16_round8_numbers(xa), rb = bnbw__bf16_round8_numbers(xb);
-    __m256i any = _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_UNORD_Q));  /* a[i] or b[i] NaN */
-    if (!_mm256_testz_si256(any, any)) {
-        ra = bnbw__bf16_fix_nans(xa, ra, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
-        rb = bnbw__bf16_fix_nans(xb, rb, _mm256_castps_si256(_mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
-    }
+    int any = bnbw__any_nan16(a, b);
+    __m256i lo = _mm256_srli_epi32(bnbw__bf16_high8(a, any), 16);
+    __m256i hi = _mm256_srli_epi32(bnbw__bf16_high8(b, any), 16);
     /* lanes hold values <= 0xffff, so the unsigned saturating pack is exact; it packs per
        128-bit half, hence the qword permutation back into order */
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(ra, rb), 0xd8);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
 }
 
 /* 16 bf16 in element order from the f32 values of the even elements (0, 2, .., 14: `even`)
    and of the odd ones (`odd`), rounded as bnbw__bf16_pack16 rounds.  An element's bf16 is the
    high half of its f32 lane, so this needs no packing shuffle: one blend of 16-bit words. */
-static inline BNBW__AVX2 __m256i bnbw__bf16_join16(__m256 even, __m256 odd)
+BNBW__AVX2_INLINE __m256i bnbw__bf16_join16(__m256 even, __m256 odd)
 {
-    __m256i xe = _mm256_castps_si256(even), xo = _mm256_castps_si256(odd);
-    __m256i re = bnbw__bf16_round8_high(xe), ro = bnbw__bf16_round8_high(xo);
-    __m256i any = _mm256_castps_si256(_mm256_cmp_ps(even, odd, _CMP_UNORD_Q));
-    if (!_mm256_testz_si256(any, any)) {       /* NaNs, rare: as in bnbw__bf16_pack16 */
-        re = _mm256_blendv_epi8(re, _mm256_slli_epi32(bnbw__bf16_quiet8(xe), 16),
-                                _mm256_castps_si256(_mm256_cmp_ps(even, even, _CMP_UNORD_Q)));
-        ro = _mm256_blendv_epi8(ro, _mm256_slli_epi32(bnbw__bf16_quiet8(xo), 16),
-                                _mm256_castps_si256(_mm256_cmp_ps(odd, odd, _CMP_UNORD_Q)));
-    }
-    return _mm256_blend_epi16(_mm256_srli_epi32(re, 16), ro, 0xaa);
+    int any = bnbw__any_nan16(even, odd);
+    __m256i e = bnbw__bf16_high8(even, any), o = bnbw__bf16_high8(odd, any);
+    return _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xaa);
 }
 
 static BNBW__UNUSED BNBW__AVX2 void bnbw__store_bf16_avx2(const float *src, int64_t n, char *dst)
@@ -387,6 +372,14 @@ static inline int bnbw__any_nan_f32x8(float32x4_t a, float32x4_t b)
     return m != m;
 }
 
+/* 8 halves widened to dst[0..7] by FCVTL (FPCR as bnbw__fpcr_plain checks it). */
+static inline void bnbw__widen_f16x8(uint16x8_t h, float *dst)
+{
+    float16x8_t f = vreinterpretq_f16_u16(h);
+    vst1q_f32(dst, vcvt_f32_f16(vget_low_f16(f)));
+    vst1q_f32(dst + 4, vcvt_high_f32_f16(f));
+}
+
 /* FCVTL widens every half exactly, but quiets signalling NaNs (and FPCR.DN would replace
  * them): groups of 8 holding a NaN take the portable code, which keeps payloads. */
 static BNBW__UNUSED void bnbw__load_f16_neon(const char *src, int64_t n, float *dst)
@@ -395,13 +388,10 @@ static BNBW__UNUSED void bnbw__load_f16_neon(const char *src, int64_t n, float *
     if (bnbw__fpcr_plain())
         for (; i + 8 <= n; i += 8) {
             uint16x8_t h = vld1q_u16((const uint16_t *)(const void *)(src + 2 * i));
-            if (bnbw__any_nan_f16x8(h)) {
+            if (bnbw__any_nan_f16x8(h))
                 bnbw__load_f16_portable(src + 2 * i, 8, dst + i);
-                continue;
-            }
-            float16x8_t f = vreinterpretq_f16_u16(h);
-            vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(f)));
-            vst1q_f32(dst + i + 4, vcvt_high_f32_f16(f));
+            else
+                bnbw__widen_f16x8(h, dst + i);
         }
     bnbw__load_f16_portable(src + 2 * i, n - i, dst + i);
 }
@@ -411,12 +401,8 @@ static BNBW__UNUSED void bnbw__load_f16_neon_arith(const char *src, int64_t n, f
 {
     int64_t i = 0;
     if (bnbw__fpcr_plain())
-        for (; i + 8 <= n; i += 8) {
-            float16x8_t f = vreinterpretq_f16_u16(
-                vld1q_u16((const uint16_t *)(const void *)(src + 2 * i)));
-            vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(f)));
-            vst1q_f32(dst + i + 4, vcvt_high_f32_f16(f));
-        }
+        for (; i + 8 <= n; i += 8)
+            bnbw__widen_f16x8(vld1q_u16((const uint16_t *)(const void *)(src + 2 * i)), dst + i);
     bnbw__load_f16_portable(src + 2 * i, n - i, dst + i);
 }
 
@@ -532,6 +518,27 @@ typedef void (*bnbw__store_kernel)(const float *, int64_t, char *);
 
 #define BNBW__STAGE 256  /* elements gathered per strided step: 512 bytes of stack */
 
+/* n items of `size` bytes from src to dst, each side with its own byte step: one memcpy when
+ * both are contiguous. */
+static inline void bnbw__copy_items(char *dst, int64_t dst_step, const char *src,
+                                    int64_t src_step, int64_t n, int64_t size)
+{
+    if (n <= 0)
+        return;
+    if (dst_step == size && src_step == size) {
+        memcpy(dst, src, (size_t)(n * size));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + i * dst_step, src + i * src_step, (size_t)size);
+}
+
+/* Elements in the stage from element i of n. */
+static inline int64_t bnbw__stage_length(int64_t i, int64_t n)
+{
+    return n - i < BNBW__STAGE ? n - i : BNBW__STAGE;
+}
+
 static inline void bnbw__load16(bnbw__load_kernel k, const char *src, int64_t src_stride,
                                 int64_t n, float *dst)
 {
@@ -541,9 +548,8 @@ static inline void bnbw__load16(bnbw__load_kernel k, const char *src, int64_t sr
     }
     char buf[2 * BNBW__STAGE];
     for (int64_t i = 0; i < n; i += BNBW__STAGE) {
-        int64_t m = n - i < BNBW__STAGE ? n - i : BNBW__STAGE;
-        for (int64_t j = 0; j < m; j++)
-            memcpy(buf + 2 * j, src + (i + j) * src_stride, 2);
+        int64_t m = bnbw__stage_length(i, n);
+        bnbw__copy_items(buf, 2, src + i * src_stride, src_stride, m, 2);
         k(buf, m, dst + i);
     }
 }
@@ -557,10 +563,9 @@ static inline void bnbw__store16(bnbw__store_kernel k, const float *src, int64_t
     }
     char buf[2 * BNBW__STAGE];
     for (int64_t i = 0; i < n; i += BNBW__STAGE) {
-        int64_t m = n - i < BNBW__STAGE ? n - i : BNBW__STAGE;
+        int64_t m = bnbw__stage_length(i, n);
         k(src + i, m, buf);
-        for (int64_t j = 0; j < m; j++)
-            memcpy(dst + (i + j) * dst_stride, buf + 2 * j, 2);
+        bnbw__copy_items(dst + i * dst_stride, dst_stride, buf, 2, m, 2);
     }
 }
 
@@ -598,26 +603,12 @@ static BNBW__UNUSED void bnbw_store_bf16(const float *src, int64_t n, char *dst,
 
 static BNBW__UNUSED void bnbw_load_f32(const char *src, int64_t src_stride, int64_t n, float *dst)
 {
-    if (n <= 0)
-        return;
-    if (src_stride == 4) {
-        memcpy(dst, src, (size_t)n * 4);
-        return;
-    }
-    for (int64_t i = 0; i < n; i++)
-        memcpy(dst + i, src + i * src_stride, 4);
+    bnbw__copy_items((char *)dst, 4, src, src_stride, n, 4);
 }
 
 static BNBW__UNUSED void bnbw_store_f32(const float *src, int64_t n, char *dst, int64_t dst_stride)
 {
-    if (n <= 0)
-        return;
-    if (dst_stride == 4) {
-        memcpy(dst, src, (size_t)n * 4);
-        return;
-    }
-    for (int64_t i = 0; i < n; i++)
-        memcpy(dst + i * dst_stride, src + i, 4);
+    bnbw__copy_items(dst, dst_stride, (const char *)src, 4, n, 4);
 }
 
 #endif /* BNBW_HALF_H */

@@ -57,14 +57,14 @@
  * (bnbw_kernels_impl.h) over a small vector layer of 16-lane f32 and f64 vectors and lane
  * predicates (bnbw_simd_portable.h, bnbw_simd_avx2.h, bnbw_simd_avx512.h, bnbw_simd_neon.h)
  * and compiled once per instruction set, each in its own translation unit (src/body_*.c),
- * into a table of the nine kernels.  The portable body defines the results: every other body does the same
- * operations on the same lanes in the same order, so all give the same bits; FP contraction is
- * off (-ffp-contract=off) and the bodies fuse a multiply-add only where the portable body calls
- * fmaf or where the product is exact.  Adding an instruction set is one more layer header and
- * one more translation unit.  bnbw_kernels() picks the table at run time: the best body the CPU
- * and the OS support (CPUID, and XGETBV for the AVX and AVX-512 register state; on AArch64
- * the auxiliary vector's HWCAP_ASIMD), capped by bnbw_set_body_cap (the BNBW_KERNELS
- * environment variable, tests, benchmarks).
+ * into a table of the fifteen kernels.  The portable body defines the results: every other body
+ * does the same operations on the same lanes in the same order, so all give the same bits; FP
+ * contraction is off (-ffp-contract=off) and the bodies fuse a multiply-add only where the
+ * portable body calls fmaf or where the product is exact.  Adding an instruction set is one
+ * more layer header and one more translation unit.  bnbw_kernels() picks the table at run
+ * time: the best body the CPU and the OS support (CPUID, and XGETBV for the AVX and AVX-512
+ * register state; on AArch64 the auxiliary vector's HWCAP_ASIMD), capped by bnbw_set_body_cap
+ * (the BNBW_KERNELS environment variable, tests, benchmarks).
  *
  * Determinism.  A kernel's result depends only on its arguments, never on which thread runs it.
  */

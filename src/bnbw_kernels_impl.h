@@ -1,5 +1,5 @@
 /*
- * bnbw_kernels_impl.h - the arithmetic of the nine kernels, written once over the vector layer
+ * bnbw_kernels_impl.h - the arithmetic of the fifteen kernels, written once over the vector layer
  * (see bnbw_kernels.h for what they compute, the precision and the lane plan).
  *
  * Included by one translation unit per instruction set, after that instruction set's layer
@@ -752,31 +752,38 @@ BNBW_INLINE void k_normalize_row_run(const bnbw_io *io, const bnbw_run *run, int
 
 /* ---- the table ------------------------------------------------------------------------- */
 
-/* Every kernel is compiled once per storage type and mask type - and, for channel-major rows,
- * per "every operand contiguous" - each variant a function of its own, so that its loops are
- * optimised alone with their constants folded and carry no per-element branch.  The table's
- * entry picks the variant. */
-#define K__MASKS(X, KERNEL, TN, T, CONTIG, PARAMS, ARGS)                                   \
-    X(KERNEL, TN, T, none, BNBW_NO_MASK, CONTIG, PARAMS, ARGS)                                \
-    X(KERNEL, TN, T, bool, BNBW_BOOL, CONTIG, PARAMS, ARGS)                                   \
-    X(KERNEL, TN, T, vals, T, CONTIG, PARAMS, ARGS)
-#define K__TYPES(X, KERNEL, CONTIG, PARAMS, ARGS)                                            \
-    K__MASKS(X, KERNEL, f32, BNBW_F32, CONTIG, PARAMS, ARGS)                                 \
-    K__MASKS(X, KERNEL, f16, BNBW_F16, CONTIG, PARAMS, ARGS)                                 \
-    K__MASKS(X, KERNEL, bf16, BNBW_BF16, CONTIG, PARAMS, ARGS)
+/* Every kernel is compiled once per storage type and a second constant - the mask's type for
+ * the backward, ReLU or not for the forward - and, for channel-major rows, per "every operand
+ * contiguous": each variant a function of its own, so that its loops are optimised alone with
+ * their constants folded and carry no per-element branch.  The table's entry picks the
+ * variant. */
 
-#define K__DEFINE(KERNEL, TN, T, MN, M, CONTIG, PARAMS, ARGS)                                \
-    static __attribute__((noinline)) void KERNEL##_##TN##_##MN##_##CONTIG PARAMS              \
+/* The variant KERNEL_TN_VN_CONTIG, which runs KERNEL ARGS with the constants DT = T, VAR = V
+ * (MDT or RELU) and CONTIG_ = CONTIG; K__ENTRY names it. */
+#define K__DEFINE(KERNEL, TN, T, VN, VAR, V, CONTIG, PARAMS, ARGS)                           \
+    static __attribute__((noinline)) void KERNEL##_##TN##_##VN##_##CONTIG PARAMS              \
     {                                                                                        \
         /* a local copy: stores through the rows' pointers could alias the caller's struct,  \
            which would make the compiler reload its fields in every loop */                  \
         const bnbw_io io_copy = *io_arg, *const io = &io_copy;                               \
-        const int DT = T, MDT = M, CONTIG_ = CONTIG;                                         \
+        const int DT = T, VAR = V, CONTIG_ = CONTIG;                                         \
+        (void)VAR;                                                                           \
         (void)CONTIG_;                                                                       \
         KERNEL ARGS;                                                                         \
         v_leave();                                                                           \
     }
-#define K__ENTRY(KERNEL, TN, T, MN, M, CONTIG, PARAMS, ARGS) KERNEL##_##TN##_##MN##_##CONTIG,
+#define K__ENTRY(KERNEL, TN, T, VN, VAR, V, CONTIG, PARAMS, ARGS)                            \
+    KERNEL##_##TN##_##VN##_##CONTIG,
+
+/* The backward's variants: X per storage type and mask type, mask-minor (k__variant). */
+#define K__MASKS(X, KERNEL, TN, T, CONTIG, PARAMS, ARGS)                                     \
+    X(KERNEL, TN, T, none, MDT, BNBW_NO_MASK, CONTIG, PARAMS, ARGS)                          \
+    X(KERNEL, TN, T, bool, MDT, BNBW_BOOL, CONTIG, PARAMS, ARGS)                             \
+    X(KERNEL, TN, T, vals, MDT, T, CONTIG, PARAMS, ARGS)
+#define K__TYPES(X, KERNEL, CONTIG, PARAMS, ARGS)                                            \
+    K__MASKS(X, KERNEL, f32, BNBW_F32, CONTIG, PARAMS, ARGS)                                 \
+    K__MASKS(X, KERNEL, f16, BNBW_F16, CONTIG, PARAMS, ARGS)                                 \
+    K__MASKS(X, KERNEL, bf16, BNBW_BF16, CONTIG, PARAMS, ARGS)
 
 #define K__ROW_KERNEL(KERNEL, PARAMS, ARGS)                                                  \
     K__TYPES(K__DEFINE, KERNEL, 0, PARAMS, ARGS)                                             \
@@ -936,87 +943,75 @@ static void K__NAME(scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64
 }
 
 
-/* The forward's kernels: a variant per storage type - and per ReLU, and for channel-major rows
- * per "every operand contiguous" - as above. */
+/* The forward's variants: X per storage type (k__type) for RELU = R. */
 #define K__FWD_TYPES(X, KERNEL, R, CONTIG, PARAMS, ARGS)                                     \
-    X(KERNEL, f32, BNBW_F32, R, CONTIG, PARAMS, ARGS)                                        \
-    X(KERNEL, f16, BNBW_F16, R, CONTIG, PARAMS, ARGS)                                        \
-    X(KERNEL, bf16, BNBW_BF16, R, CONTIG, PARAMS, ARGS)
-#define K__FWD_DEFINE(KERNEL, TN, T, R, CONTIG, PARAMS, ARGS)                                \
-    static __attribute__((noinline)) void KERNEL##_##TN##_##R##_##CONTIG PARAMS              \
-    {                                                                                        \
-        const bnbw_io io_copy = *io_arg, *const io = &io_copy;                               \
-        const int DT = T, RELU = R, CONTIG_ = CONTIG;                                        \
-        (void)RELU;                                                                          \
-        (void)CONTIG_;                                                                       \
-        KERNEL ARGS;                                                                         \
-        v_leave();                                                                           \
-    }
-#define K__FWD_ENTRY(KERNEL, TN, T, R, CONTIG, PARAMS, ARGS) KERNEL##_##TN##_##R##_##CONTIG,
+    X(KERNEL, f32, BNBW_F32, R, RELU, R, CONTIG, PARAMS, ARGS)                               \
+    X(KERNEL, f16, BNBW_F16, R, RELU, R, CONTIG, PARAMS, ARGS)                               \
+    X(KERNEL, bf16, BNBW_BF16, R, RELU, R, CONTIG, PARAMS, ARGS)
 
-K__FWD_TYPES(K__FWD_DEFINE, k_stats_row, 0, 0,
+K__FWD_TYPES(K__DEFINE, k_stats_row, 0, 0,
              (const bnbw_io *io_arg, int64_t n, float shift, double *out),
              (io, n, shift, out, DT, CONTIG_))
-K__FWD_TYPES(K__FWD_DEFINE, k_stats_row, 0, 1,
+K__FWD_TYPES(K__DEFINE, k_stats_row, 0, 1,
              (const bnbw_io *io_arg, int64_t n, float shift, double *out),
              (io, n, shift, out, DT, CONTIG_))
 static void (*const k_stats_row_variants[2][3])(const bnbw_io *, int64_t, float, double *) = {
-    {K__FWD_TYPES(K__FWD_ENTRY, k_stats_row, 0, 0, , )},
-    {K__FWD_TYPES(K__FWD_ENTRY, k_stats_row, 0, 1, , )}};
+    {K__FWD_TYPES(K__ENTRY, k_stats_row, 0, 0, , )},
+    {K__FWD_TYPES(K__ENTRY, k_stats_row, 0, 1, , )}};
 
 #define K__NORMALIZE_ROW_PARAMS                                                              \
     (const bnbw_io *io_arg, int64_t n, float mean, float k, float b)
 #define K__NORMALIZE_ROW_ARGS (io, n, mean, k, b, DT, RELU, CONTIG_)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 0, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 1, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 0, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row, 1, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_row, 0, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_row, 1, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_row, 0, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_row, 1, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
 static void (*const k_normalize_row_variants[2][2][3])(const bnbw_io *, int64_t, float, float,
                                                         float) = {
-    {{K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 0, 0, , )},
-     {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 1, 0, , )}},
-    {{K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 0, 1, , )},
-     {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row, 1, 1, , )}}};
+    {{K__FWD_TYPES(K__ENTRY, k_normalize_row, 0, 0, , )},
+     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 1, 0, , )}},
+    {{K__FWD_TYPES(K__ENTRY, k_normalize_row, 0, 1, , )},
+     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 1, 1, , )}}};
 
-K__FWD_TYPES(K__FWD_DEFINE, k_stats_rows, 0, 1,
+K__FWD_TYPES(K__DEFINE, k_stats_rows, 0, 1,
              (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *shift, double *sum,
               double *sum_sq, int streaming),
              (io, rows, n, shift, sum, sum_sq, streaming, DT))
 static void (*const k_stats_rows_variants[3])(const bnbw_io *, int64_t, int64_t, const float *,
                                               double *, double *, int) = {
-    K__FWD_TYPES(K__FWD_ENTRY, k_stats_rows, 0, 1, , )};
+    K__FWD_TYPES(K__ENTRY, k_stats_rows, 0, 1, , )};
 
 #define K__NORMALIZE_ROWS_PARAMS                                                             \
     (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *mean, const float *k,      \
      const float *b)
 #define K__NORMALIZE_ROWS_ARGS (io, rows, n, mean, k, b, DT, RELU)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_rows, 0, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_rows, 1, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_rows, 0, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_rows, 1, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
 static void (*const k_normalize_rows_variants[2][3])(const bnbw_io *, int64_t, int64_t,
                                                      const float *, const float *,
                                                      const float *) = {
-    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_rows, 0, 1, , )},
-    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_rows, 1, 1, , )}};
+    {K__FWD_TYPES(K__ENTRY, k_normalize_rows, 0, 1, , )},
+    {K__FWD_TYPES(K__ENTRY, k_normalize_rows, 1, 1, , )}};
 
-K__FWD_TYPES(K__FWD_DEFINE, k_stats_row_run, 0, 1,
+K__FWD_TYPES(K__DEFINE, k_stats_row_run, 0, 1,
              (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *shift,
               double *sums, int64_t sums_step),
              (io, run, n, shift, sums, sums_step, DT))
 static void (*const k_stats_row_run_variants[3])(const bnbw_io *, const bnbw_run *, int64_t,
                                                  const float *, double *, int64_t) = {
-    K__FWD_TYPES(K__FWD_ENTRY, k_stats_row_run, 0, 1, , )};
+    K__FWD_TYPES(K__ENTRY, k_stats_row_run, 0, 1, , )};
 
 #define K__NORMALIZE_RUN_PARAMS                                                              \
     (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *mean, const float *k, \
      const float *b)
 #define K__NORMALIZE_RUN_ARGS (io, run, n, mean, k, b, DT, RELU)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row_run, 0, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
-K__FWD_TYPES(K__FWD_DEFINE, k_normalize_row_run, 1, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_row_run, 0, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_row_run, 1, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
 static void (*const k_normalize_row_run_variants[2][3])(const bnbw_io *, const bnbw_run *,
                                                         int64_t, const float *, const float *,
                                                         const float *) = {
-    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row_run, 0, 1, , )},
-    {K__FWD_TYPES(K__FWD_ENTRY, k_normalize_row_run, 1, 1, , )}};
+    {K__FWD_TYPES(K__ENTRY, k_normalize_row_run, 0, 1, , )},
+    {K__FWD_TYPES(K__ENTRY, k_normalize_row_run, 1, 1, , )}};
 
 /* The storage-type index of a forward call. */
 BNBW_INLINE int k__type(const bnbw_io *io) { return io->dt == BNBW_F16 ? 1 : io->dt == BNBW_BF16 ? 2 : 0; }

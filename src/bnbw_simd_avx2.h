@@ -281,41 +281,13 @@ BNBW_INLINE vf v_load(const void *row, int64_t i, int64_t step, int dt, int eo)
     return v__deinterleave(v__load16(row, i, dt));
 }
 
-/* 8 f32 lanes rounded to nearest-even bf16, in the high half of each lane (numbers only). */
-BNBW_INLINE __m256i v__bf16_round_high(__m256i x)
-{
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
-}
-/* The bf16 of a NaN x: the quiet NaN 0x7fc0 with x's sign, in the high half of the lane. */
-BNBW_INLINE __m256i v__bf16_quiet_high(__m256i x)
-{
-    return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32((int)0x80000000u)),
-                           _mm256_set1_epi32(0x7fc00000));
-}
-/* 8 f32 lanes as bf16 in the high half of each lane, NaNs included. */
-BNBW_INLINE __m256i v__bf16_high(__m256 a, int any_nan)
-{
-    __m256i x = _mm256_castps_si256(a), r = v__bf16_round_high(x);
-    if (any_nan)
-        r = _mm256_blendv_epi8(r, v__bf16_quiet_high(x),
-                               _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
-    return r;
-}
-
 /* 16 lanes in element order as 16 halves. */
 BNBW_INLINE __m256i v__narrow16(vf a, int dt)
 {
     if (dt == BNBW_F16)
         return _mm256_set_m128i(_mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT),
                                 _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT));
-    __m256 nan = _mm256_cmp_ps(a.lo, a.hi, _CMP_UNORD_Q);       /* NaNs are rare: one test */
-    int any = !_mm256_testz_ps(nan, nan);
-    __m256i lo = _mm256_srli_epi32(v__bf16_high(a.lo, any), 16);
-    __m256i hi = _mm256_srli_epi32(v__bf16_high(a.hi, any), 16);
-    /* lanes hold values <= 0xffff: the unsigned saturating pack is exact; it packs per 128-bit
-       half, hence the permutation back into order */
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+    return bnbw__bf16_pack16(a.lo, a.hi);     /* bnbw_half.h, as the row converters round */
 }
 
 BNBW_INLINE void v__scatter16(void *row, int64_t i, int64_t step, vf a, int dt)
@@ -339,11 +311,8 @@ BNBW_INLINE void v_store(void *row, int64_t i, int64_t step, vf a, int dt, int e
 {
     if (eo && dt == BNBW_BF16 && step == 1) {
         /* even and odd elements' bf16 are the high halves of their lanes: one word blend */
-        __m256 nan = _mm256_cmp_ps(a.lo, a.hi, _CMP_UNORD_Q);
-        int any = !_mm256_testz_ps(nan, nan);
-        __m256i e = v__bf16_high(a.lo, any), o = v__bf16_high(a.hi, any);
         _mm256_storeu_si256((__m256i *)(void *)((uint16_t *)row + i),
-                            _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xaa));
+                            bnbw__bf16_join16(a.lo, a.hi));
         return;
     }
     if (eo)
