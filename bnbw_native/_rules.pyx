@@ -253,6 +253,15 @@ cdef bnbw_status _check_reals(const Rules *r, const Epsilon *eps, const Momentum
     return BNBW_OK
 
 
+cdef bnbw_status _check_rank(const Rules *r, const Arg *x, char *msg, size_t cap) noexcept nogil:
+    """x's rank within the convention's."""
+    if x.ndim < r.min_rank or x.ndim > r.max_rank:
+        snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
+                 r.min_rank, r.max_rank, x.ndim)
+        return BNBW_ERROR_DIMENSION_COUNT
+    return BNBW_OK
+
+
 cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const Epsilon *eps,
                                const Momentum *momentum, int64_t count, int64_t *channels,
                                char *msg, size_t cap) noexcept nogil:
@@ -270,9 +279,7 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
     rc = _kind(r, x, S_X, msg, cap)
     if rc != BNBW_OK:
         return rc
-    if x.ndim < r.min_rank or x.ndim > r.max_rank:
-        snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
-                 r.min_rank, r.max_rank, x.ndim)
+    if _check_rank(r, x, msg, cap) != BNBW_OK:
         return BNBW_ERROR_DIMENSION_COUNT
     if not (op & OP_FORWARD):
         rc = _kind(r, dy, S_DY, msg, cap)
@@ -409,9 +416,7 @@ cdef bnbw_status _check_directml(const Rules *r, Arg *a, int op, const Epsilon *
             rc = _kind(r, &a[m], m, msg, cap)
             if rc != BNBW_OK:
                 return rc
-    if x.ndim < r.min_rank or x.ndim > r.max_rank:
-        snprintf(msg, cap, "%s must have %d to %d dimensions, got %d", r.names[S_X],
-                 r.min_rank, r.max_rank, x.ndim)
+    if _check_rank(r, x, msg, cap) != BNBW_OK:
         return BNBW_ERROR_DIMENSION_COUNT
     for i in range(r.n_named):
         m = r.order[i]
