@@ -26,6 +26,10 @@ cdef extern from "bnbw_half.h" nogil:
 # hands its table to the schedules).
 cdef extern from "bnbw_kernels.h" nogil:
     enum:
+        BNBW_F32
+        BNBW_F16
+        BNBW_BF16
+        BNBW_BOOL
         BNBW_NO_MASK
         BNBW_EXACT_SUMS
         BNBW_BLOCKS
@@ -34,6 +38,7 @@ cdef extern from "bnbw_kernels.h" nogil:
         BNBW_BODY_PORTABLE
         BNBW_BODY_AVX2
         BNBW_BODY_AVX512
+    int64_t BNBW_ITEMSIZE(int dt)        # bytes per element of f32, f16, bf16
     ctypedef struct bnbw_io:
         const void *x
         const void *dy

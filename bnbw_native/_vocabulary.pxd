@@ -18,19 +18,20 @@ from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 
 from bnbw_native._headers cimport (bnbw_f16, bnbw_bf16, bnbw_f16_to_f32, bnbw_bf16_to_f32,
-                                   bnbw_f64_to_f16, bnbw_f64_to_bf16)
+                                   bnbw_f64_to_f16, bnbw_f64_to_bf16, BNBW_ITEMSIZE, BNBW_F32,
+                                   BNBW_F16, BNBW_BF16, BNBW_BOOL)
 
 
 cdef enum:
     MAX_DIMS = 8
 
-# Storage types; the first three are the kernels' codes (BNBW_F32, BNBW_F16, BNBW_BF16).
+# Storage types; the first four are the kernels' codes (bnbw_kernels.h).
 cdef enum:  # DType
     DT_OTHER = -1        # anything the engine does not take (named in messages)
-    DT_F32 = 0
-    DT_F16 = 1
-    DT_BF16 = 2
-    DT_BOOL = 3          # a ReLU mask
+    DT_F32 = BNBW_F32
+    DT_F16 = BNBW_F16
+    DT_BF16 = BNBW_BF16
+    DT_BOOL = BNBW_BOOL  # a ReLU mask
     DT_F64 = 4           # the two-phase sums only
 
 # Slots.  The big tensors (the shape of x) come first, then the per-channel ones; S_PARTIAL is
@@ -167,7 +168,7 @@ cdef inline int64_t itemsize(int dtype) noexcept nogil:
         return 1
     if dtype == DT_F64:
         return 8
-    return 4 if dtype == DT_F32 else 2
+    return BNBW_ITEMSIZE(dtype)
 
 
 cdef inline int64_t imin(int64_t a, int64_t b) noexcept nogil:

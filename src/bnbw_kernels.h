@@ -75,6 +75,8 @@
 
 /* Storage types (the engine's DType codes); BNBW_BOOL only for the mask. */
 enum { BNBW_F32 = 0, BNBW_F16 = 1, BNBW_BF16 = 2, BNBW_BOOL = 3 };
+/* Bytes per element of x, dy, dx and dres (f32, f16, bf16): the one place it is written. */
+#define BNBW_ITEMSIZE(dt) ((dt) == BNBW_F32 ? 4 : 2)
 #define BNBW_NO_MASK (-1)
 
 /* The kernels' `sums` argument (see "Blocked sums"). */

@@ -12,8 +12,6 @@
 #error "define K__NAME and include a bnbw_simd_*.h layer before bnbw_kernels_impl.h"
 #endif
 
-#define BNBW__ISZ(dt) ((dt) == BNBW_F32 ? 4 : 2)
-
 /* Elements in the next channel-major block when `left` remain: BNBW_BLOCK_RUNS whole runs, or
  * the whole runs that are left (short rows, row ends), 0 when less than a run is left. */
 BNBW_INLINE int64_t k__block_length(int64_t left)
@@ -327,7 +325,7 @@ BNBW_INLINE void k__reduce_rows_blocked(const bnbw_io *io, int64_t rows, int64_t
                                         const float *mean, double *sum_g, double *sum_xg, int dt,
                                         int mdt)
 {
-    const int64_t isz = BNBW__ISZ(dt);
+    const int64_t isz = BNBW_ITEMSIZE(dt);
     if (io->x_step * isz > K__WIDE_ROW || io->dy_step * isz > K__WIDE_ROW) {
         k__reduce_wide_rows_blocked(io, rows, n16, mean, sum_g, sum_xg, dt, mdt);
         return;
@@ -373,7 +371,7 @@ BNBW_INLINE void k__reduce_rows_blocked(const bnbw_io *io, int64_t rows, int64_t
  * dy). */
 BNBW_INLINE int64_t k__row_group(const bnbw_io *io, int arrays, int streaming, int dt)
 {
-    const int64_t row_bytes = io->x_step * BNBW__ISZ(dt);
+    const int64_t row_bytes = io->x_step * BNBW_ITEMSIZE(dt);
     return streaming && arrays * row_bytes >= K__ONE_ROW_READS && row_bytes <= K__ONE_ROW_TO
            ? 1 : K__ROW_GROUP;
 }
@@ -473,10 +471,10 @@ BNBW_INLINE void k__residual_rows(const bnbw_io *io, int64_t j, int64_t c, int64
                                   int mdt)
 {
     if (mdt != BNBW_NO_MASK && io->dres != NULL)
-        v_copy_active((char *)io->dres + j * io->dres_step * BNBW__ISZ(dt), 1,
-                      (const char *)io->dy + j * io->dy_step * BNBW__ISZ(dt), 1,
+        v_copy_active((char *)io->dres + j * io->dres_step * BNBW_ITEMSIZE(dt), 1,
+                      (const char *)io->dy + j * io->dy_step * BNBW_ITEMSIZE(dt), 1,
                       (const char *)io->mask + j * io->mask_step
-                          * (mdt == BNBW_BOOL ? 1 : BNBW__ISZ(dt)),
+                          * (mdt == BNBW_BOOL ? 1 : BNBW_ITEMSIZE(dt)),
                       1, c, t, dt, mdt);
 }
 
@@ -866,7 +864,7 @@ static void K__NAME(scale_row)(const bnbw_io *io, int64_t n, float k1)
 #define K__CUT_ROWS_ABOVE 2048
 BNBW_INLINE int64_t k__rows_lead(const bnbw_io *io, int64_t n)
 {
-    const int64_t isz = BNBW__ISZ(io->dt);
+    const int64_t isz = BNBW_ITEMSIZE(io->dt);
     const uintptr_t at = (uintptr_t)io->x;
     if (io->x == NULL || io->x_step * isz <= K__CUT_ROWS_ABOVE || (io->x_step * isz) % 64 != 0
         || at % (uintptr_t)isz != 0)
@@ -877,7 +875,7 @@ BNBW_INLINE int64_t k__rows_lead(const bnbw_io *io, int64_t n)
 /* The same call from channel `c` on */
 BNBW_INLINE bnbw_io k__rows_from(const bnbw_io *io, int64_t c)
 {
-    const int64_t isz = BNBW__ISZ(io->dt), msz = io->mask_dt == BNBW_BOOL ? 1 : isz;
+    const int64_t isz = BNBW_ITEMSIZE(io->dt), msz = io->mask_dt == BNBW_BOOL ? 1 : isz;
     bnbw_io r = *io;
     r.x = io->x ? (const char *)io->x + c * isz : NULL;
     r.dy = io->dy ? (const char *)io->dy + c * isz : NULL;

@@ -399,7 +399,7 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
                                      _mm256_maskz_loadu_epi16(on, (const uint16_t *)src + i));
         return;
     }
-    int64_t isz = dt == BNBW_F32 ? 4 : 2;
+    int64_t isz = BNBW_ITEMSIZE(dt);
     for (int64_t l = 0; l < t; ++l) {
         char *d = (char *)dst + (i + l) * dst_step * isz;
         if (on >> l & 1)

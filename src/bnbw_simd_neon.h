@@ -231,8 +231,6 @@ BNBW_INLINE uint16x8x2_t v__narrow(vf a, int dt)
     return r;
 }
 
-BNBW_INLINE int v__isz(int dt) { return dt == BNBW_F32 ? 4 : 2; }
-
 /* Elements i.. `step` apart through a small buffer, lane l taking element v__element(l, eo). */
 BNBW_INLINE int v__element_of(int l, int eo) { return eo ? (l < 8 ? 2 * l : 2 * (l - 8) + 1) : l; }
 

@@ -536,18 +536,16 @@ BNBW_INLINE vf v__vf_elements(vf a)
 
 /* ---- rows -------------------------------------------------------------------------------- */
 
-#define V__ISZ(dt) ((dt) == BNBW_F32 ? 4 : 2)
-
 /* Elements i.. at `step` elements apart, gathered into buf (16 elements of dt). */
 BNBW_INLINE void v__gather(void *buf, const void *row, int64_t i, int64_t t, int64_t step, int dt)
 {
-    const int64_t isz = V__ISZ(dt);
+    const int64_t isz = BNBW_ITEMSIZE(dt);
     for (int64_t l = 0; l < t; ++l)
         memcpy((char *)buf + l * isz, (const char *)row + (i + l) * step * isz, (size_t)isz);
 }
 BNBW_INLINE void v__scatter(void *row, int64_t i, int64_t t, int64_t step, const void *buf, int dt)
 {
-    const int64_t isz = V__ISZ(dt);
+    const int64_t isz = BNBW_ITEMSIZE(dt);
     for (int64_t l = 0; l < t; ++l)
         memcpy((char *)row + (i + l) * step * isz, (const char *)buf + l * isz, (size_t)isz);
 }
@@ -569,7 +567,7 @@ BNBW_INLINE void v__copy_short(void *dst, const void *src, int64_t n)
 BNBW_INLINE vf v_load(const void *row, int64_t i, int64_t step, int dt, int eo)
 {
     float buf[16];
-    const void *p = (const char *)row + i * V__ISZ(dt);
+    const void *p = (const char *)row + i * BNBW_ITEMSIZE(dt);
     if (step != 1) {
         v__gather(buf, row, i, 16, step, dt);
         p = buf;
@@ -585,7 +583,7 @@ BNBW_INLINE void v_store(void *row, int64_t i, int64_t step, vf a, int dt, int e
     if (eo)
         a = v__vf_elements(a);
     if (step == 1) {
-        v__store16((char *)row + i * V__ISZ(dt), a, dt);
+        v__store16((char *)row + i * BNBW_ITEMSIZE(dt), a, dt);
         return;
     }
     float buf[16] = {0};
@@ -597,7 +595,7 @@ BNBW_INLINE vf v_load_part(const void *row, int64_t i, int64_t t, int64_t step, 
 {
     float buf[16] = {0};           /* +0 in every format */
     if (step == 1)
-        v__copy_short(buf, (const char *)row + i * V__ISZ(dt), t * V__ISZ(dt));
+        v__copy_short(buf, (const char *)row + i * BNBW_ITEMSIZE(dt), t * BNBW_ITEMSIZE(dt));
     else
         v__gather(buf, row, i, t, step, dt);
     return v__load16(buf, dt);
@@ -608,7 +606,7 @@ BNBW_INLINE void v_store_part(void *row, int64_t i, int64_t t, int64_t step, vf 
     float buf[16] = {0};
     v__store16(buf, a, dt);
     if (step == 1)
-        v__copy_short((char *)row + i * V__ISZ(dt), buf, t * V__ISZ(dt));
+        v__copy_short((char *)row + i * BNBW_ITEMSIZE(dt), buf, t * BNBW_ITEMSIZE(dt));
     else
         v__scatter(row, i, t, step, buf, dt);
 }
@@ -701,7 +699,7 @@ BNBW_INLINE void v_copy_active(void *dst, int64_t dst_step, const void *src, int
                                const void *mask, int64_t mask_step, int64_t i, int64_t t,
                                int dt, int mdt)
 {
-    const int64_t isz = V__ISZ(dt);
+    const int64_t isz = BNBW_ITEMSIZE(dt);
     if (t == 16 && dst_step == 1 && src_step == 1 && mask_step == 1) {
         const vm on = v_active(mask, i, 1, mdt, 0);
         const char *s = (const char *)src + i * isz;

@@ -35,7 +35,7 @@ static inline void bnbw_copy_active_elements(void *dst, int64_t dst_step, const 
                                              int64_t mask_step, int64_t i, int64_t t, int dt,
                                              int mdt)
 {
-    const int64_t isz = dt == BNBW_F32 ? 4 : 2;
+    const int64_t isz = BNBW_ITEMSIZE(dt);
     for (int64_t l = 0; l < t; ++l) {
         char *d = (char *)dst + (i + l) * dst_step * isz;
         if (bnbw_mask_active(mask, (i + l) * mask_step, mdt))
