@@ -111,7 +111,7 @@ def register_tensor_types(types, dtypes, strided):
     _tensor_types = tuple(types)
     _tensor_dtypes.clear()
     for dtype, name in dtypes.items():
-        _tensor_dtypes[dtype] = (*codes[name], name)
+        _tensor_dtypes[dtype] = (*codes[name], name.encode())
     _strided = strided
 
 
@@ -123,13 +123,14 @@ cdef bint _fill_tensor(Arg *a, t) except -1:
     if type(t) not in _tensor_types:
         return False
     entry = _tensor_dtypes.get(t.dtype)
-    if entry is None or not t.is_cpu or t.layout is not _strided or _lazy_tensor(t):
+    # (the dtypes registered are real: torch sets the conjugate bit on complex tensors only)
+    if entry is None or not t.is_cpu or t.layout is not _strided or t.is_neg():
         return False
     shape = t.shape
     strides = t.stride()
     if len(shape) > ARG_DIMS:
         return False
-    code, size, name = entry
+    code, size, name = entry          # name: bytes
     a.present = True
     a.data = <char *> <uintptr_t> <uint64_t> t.data_ptr()
     a.ndim = len(shape)
@@ -139,7 +140,7 @@ cdef bint _fill_tensor(Arg *a, t) except -1:
     a.writable = True
     a.aligned = (<uintptr_t> a.data) % size == 0
     a.dtype = code
-    strncpy(a.type_name, <bytes> name.encode(), 39)
+    strncpy(a.type_name, <bytes> name, 39)
     a.type_name[39] = 0
     return True
 
@@ -151,11 +152,13 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
     tensor read in place, when `tensors`)."""
     cdef cnp.ndarray arr
     if tensors and type(obj) in _tensor_types:
+        if _fill_tensor(a, obj) and a.aligned:
+            return None
         if _lazy_tensor(obj):       # its memory is not its values: read them (a copy)
             obj = obj.detach().resolve_conj().resolve_neg()
             keep.append(obj)
-        if _fill_tensor(a, obj) and a.aligned:
-            return None
+            if _fill_tensor(a, obj) and a.aligned:
+                return None
     if cnp.PyArray_Check(obj):
         arr = <cnp.ndarray> obj
     else:
@@ -171,7 +174,7 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
     return arr
 
 
-cdef object _output(object obj, Arg *a, str label, bint tensors):
+cdef object _output(object obj, Arg *a, const char *label, bint tensors):
     """A given output: a NumPy array, or a DLPack producer written in place (a tensor in place
     when `tensors`).  Returns the array that views it."""
     if tensors and _fill_tensor(a, obj):
@@ -179,9 +182,9 @@ cdef object _output(object obj, Arg *a, str label, bint tensors):
     if cnp.PyArray_Check(obj):
         arr = obj
     elif hasattr(obj, "__dlpack__"):
-        arr = output_array(obj, label)
+        arr = output_array(obj, label.decode())
     else:
-        raise TypeError(f"{label} must be a NumPy array, got {type(obj).__name__}")
+        raise TypeError(f"{label.decode()} must be a NumPy array, got {type(obj).__name__}")
     _fill(a, <cnp.ndarray> arr)
     return arr
 
@@ -223,7 +226,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     cdef const int *out_roles = &_OUT_ROLES[0]
     cdef bint params_only = op & OP_PARAMS and not (op & OP_DX)
     cdef cnp.npy_intp C
-    cdef cnp.ndarray X, M
+    cdef cnp.ndarray X, M, V = None
     cdef list keep = []
     cdef bint reduce_only = (op & OP_RETURN_SUMS) != 0
     tensors = tensors and (out is not None or reduce_only)   # nothing allocated like them
@@ -242,7 +245,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
         _input(dy, &a[S_DY], conv, S_DY, keep, tensors)
     M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep, tensors)
     if var is not None or not reduce_only:
-        _input(var, &a[S_VAR], conv, S_VAR, keep, tensors)
+        V = _input(var, &a[S_VAR], conv, S_VAR, keep, tensors)
     if scale is not None or r.scale_required:
         _input(scale, &a[S_SCALE], conv, S_SCALE, keep, tensors)
     if beta is not None or r.beta_required:
@@ -278,11 +281,18 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
             raise TypeError(f"out must be a tuple of {n_out} arrays, got {type(out).__name__}")
         if len(out) != n_out:
             raise ValueError(f"out must hold {n_out} arrays (one per output), got {len(out)}")
-        given = [_output(out[t], &a[out_roles[t]], r.labels[out_roles[t]].decode(),
-                         tensors)
-                 for t in range(n_out)]
+        given = []
+        for t in range(n_out):
+            o = out[t]
+            if tensors and o is mean and M is None:      # a tensor updated in place, read once
+                a[out_roles[t]] = a[S_MEAN]
+            elif tensors and o is var and V is None and var is not None:
+                a[out_roles[t]] = a[S_VAR]
+            else:
+                o = _output(o, &a[out_roles[t]], r.labels[out_roles[t]], tensors)
+            given.append(o)
     if diff_residual is not None:
-        keep.append(_output(diff_residual, &a[S_DRES], r.labels[S_DRES].decode(), tensors))
+        keep.append(_output(diff_residual, &a[S_DRES], r.labels[S_DRES], tensors))
 
     with nogil:
         rc = check_call(r, a, op, c.axis, NULL if reduce_only else &c.eps,

@@ -522,6 +522,11 @@ cdef void layout_of(const Rules *r, const Arg *a, int axis, Layout *l) noexcept 
             l.strides[S_DY][d] = l.strides[S_X][d]
 
 
+# parse_real's last two floats (immutable: epsilon and momentum) and their texts
+cdef object _real_a = None, _real_b = None
+cdef str _text_a = "", _text_b = ""
+
+
 cdef int parse_real(object value, Real *e, str name) except -1:
     """A real argument (epsilon, momentum) as a Python caller gave it: a real number
     (TypeError naming it otherwise), kept as a double with its text for messages; the value
@@ -531,11 +536,21 @@ cdef int parse_real(object value, Real *e, str name) except -1:
             value = value[()]
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    global _real_a, _text_a, _real_b, _text_b
     try:
         e.value = float(value)
     except (OverflowError, ValueError):    # beyond the float range
         e.value = INFINITY
-    copy_name(e.text, repr(value), 48)
+    if type(value) is not float:
+        copy_name(e.text, repr(value), 48)
+    elif value is _real_a:  # a layer passes the same float objects every call: repr them once
+        copy_name(e.text, _text_a, 48)
+    elif value is _real_b:
+        copy_name(e.text, _text_b, 48)
+    else:
+        _real_b, _text_b = _real_a, _text_a
+        _real_a, _text_a = value, repr(value)
+        copy_name(e.text, _text_a, 48)
     return 0
 
 
@@ -739,6 +754,8 @@ def requested_threads(value, name="num_threads"):
     or ValueError naming `name` otherwise)."""
     if value is None:
         return 0
+    if type(value) is int and 0 < value <= MAX_REQUEST:
+        return value          # the common case, without the checks' messages
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be None or a positive int, got {type(value).__name__}")
     value = int(value)
