@@ -28,7 +28,8 @@ from bnbw_native._vocabulary cimport (
     Plan, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING,
     OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, SERIAL_BELOW,
-    itemsize, imin, chan_origin, row_origin, load_stat, store_stat, applies_after_sums)
+    itemsize, imin, chan_origin, f32_channels, row_origin, load_stat, store_stat,
+    applies_after_sums)
 from bnbw_native._headers cimport bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK
 from bnbw_native._plan cimport plan_scratch, copy_strided
 from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_recentre,
@@ -90,7 +91,7 @@ ctypedef void (*RowsFn)(const Work *w, const bnbw_io *io, int64_t rows, int64_t 
                         double *sum_a, double *sum_b) noexcept nogil   # channel-last rows
 ctypedef void (*RunFn)(const Work *w, const bnbw_io *io, const bnbw_run *run, int64_t n,
                        int64_t c0, double *sums) noexcept nogil   # a run of channels' rows
-ctypedef void (*ChannelFn)(const Work *w, int64_t c) noexcept nogil
+ctypedef void (*ChannelsFn)(const Work *w, int64_t lo, int64_t hi) noexcept nogil
 
 
 cdef struct Formula:
@@ -101,7 +102,7 @@ cdef struct Formula:
     RowFn apply_row
     RowsFn apply_rows
     RunFn apply_run
-    ChannelFn constants       # a channel's constants (and outputs) from its final sums
+    ChannelsFn constants      # channels [lo, hi)'s constants (and outputs) from final sums
 
 
 cdef struct Work:
@@ -224,23 +225,69 @@ cdef void _normalize_run(const Work *w, const bnbw_io *io, const bnbw_run *run, 
     w.kernels.normalize_row_run(io, run, n, w.mean + c0, w.k + c0, w.b + c0, w.relu)
 
 
-cdef inline float _stat(const Work *w, int slot, int64_t c, float absent) noexcept nogil:
-    """Channel c's value of a per-channel slot, or `absent` when the call has none."""
-    if w.ptr[slot] == NULL:
-        return absent
-    return load_stat(w.ptr[slot], w.p.stat_dtype, chan_origin(w.p, slot, c))
+# The per-channel work runs over many channels per call, in loops without calls or type
+# tests inside (plain float32 statistics read and written as arrays): with one call per channel
+# it was most of a small call's time.  Statistics are gathered STAT_RUN channels at a time.
+cdef enum:
+    STAT_RUN = 64
 
 
-cdef void _backward_constants(const Work *w, int64_t c) noexcept nogil:
-    coefficients(w.op, w.sums[2 * c], w.sums[2 * c + 1], w.count, _stat(w, S_VAR, c, 1.0),
-                 _stat(w, S_SCALE, c, 1.0), w.eps, &w.k1[c], &w.k2[c], &w.k3[c],
-                 &w.dscale[c], &w.dbias[c])
+cdef void _gather(const Work *w, int slot, int64_t lo, int64_t n, float absent,
+                  float *out) noexcept nogil:
+    """Channels [lo, lo + n) of a per-channel slot as f32, `absent` when the call has none."""
+    cdef int64_t i
+    cdef const char *base = w.ptr[slot]
+    cdef const float *plain = f32_channels(w.p, w.ptr[slot], slot, w.p.stat_dtype)
+    if base == NULL:
+        for i in range(n):
+            out[i] = absent
+    elif plain != NULL:
+        memcpy(out, plain + lo, n * sizeof(float))
+    else:
+        for i in range(n):
+            out[i] = load_stat(base, w.p.stat_dtype, chan_origin(w.p, slot, lo + i))
 
 
-cdef void _forward_constants(const Work *w, int64_t c) noexcept nogil:
-    forward_coefficients(w.mean[c], w.sums[2 * c], w.sums[2 * c + 1], w.count,
-                         _stat(w, S_SCALE, c, 1.0), _stat(w, S_BETA, c, 0.0), w.eps,
-                         &w.mean[c], &w.k[c], &w.b[c], &w.batch_mean[c], &w.batch_var[c])
+cdef void _scatter(const Work *w, int slot, const double *values) noexcept nogil:
+    """Every channel's value (f64) stored in a per-channel output slot, rounded once."""
+    cdef int64_t c
+    cdef float *plain = f32_channels(w.p, w.ptr[slot], slot, w.p.stat_dtype)
+    if plain != NULL:
+        for c in range(w.p.channels):
+            plain[c] = <float> values[c]
+    else:
+        for c in range(w.p.channels):
+            store_stat(w.ptr[slot], w.p.stat_dtype, chan_origin(w.p, slot, c), values[c])
+
+
+cdef void _backward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
+    cdef float var[STAT_RUN]
+    cdef float scale[STAT_RUN]
+    cdef int64_t r, c0, c, n
+    for r in range((hi - lo + STAT_RUN - 1) // STAT_RUN):
+        c0 = lo + r * STAT_RUN
+        n = imin(STAT_RUN, hi - c0)
+        _gather(w, S_VAR, c0, n, 1.0, var)
+        _gather(w, S_SCALE, c0, n, 1.0, scale)
+        for c in range(c0, c0 + n):
+            coefficients(w.op, w.sums[2 * c], w.sums[2 * c + 1], w.count, var[c - c0],
+                         scale[c - c0], w.eps, &w.k1[c], &w.k2[c], &w.k3[c], &w.dscale[c],
+                         &w.dbias[c])
+
+
+cdef void _forward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
+    cdef float scale[STAT_RUN]
+    cdef float beta[STAT_RUN]
+    cdef int64_t r, c0, c, n
+    for r in range((hi - lo + STAT_RUN - 1) // STAT_RUN):
+        c0 = lo + r * STAT_RUN
+        n = imin(STAT_RUN, hi - c0)
+        _gather(w, S_SCALE, c0, n, 1.0, scale)
+        _gather(w, S_BETA, c0, n, 0.0, beta)
+        for c in range(c0, c0 + n):
+            forward_coefficients(w.mean[c], w.sums[2 * c], w.sums[2 * c + 1], w.count,
+                                 scale[c - c0], beta[c - c0], w.eps, &w.mean[c], &w.k[c],
+                                 &w.b[c], &w.batch_mean[c], &w.batch_var[c])
 
 
 cdef enum:
@@ -492,22 +539,25 @@ cdef void _major_item(const Work *w, int64_t i) noexcept nogil:
                 block_sums(w, b) + 2 * c if w.what & OP_REDUCE else NULL)
 
 
-cdef void _combine(const Work *w, int64_t c) noexcept nogil:
-    """Channel c's sums: its block sums added in block order."""
+cdef void _combine(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
+    """Channels [lo, hi)'s sums: each channel's block sums added in block order."""
     cdef const Plan *p = w.p
-    cdef int64_t b, C = p.channels
-    cdef double acc_g = 0.0, acc_xg = 0.0
+    cdef int64_t b, c, C = p.channels
     cdef const double *block
+    cdef double *sums = w.sums
+    for c in range(lo, hi):
+        sums[2 * c] = 0.0
+        sums[2 * c + 1] = 0.0
     for b in range(p.nblocks):
         block = block_sums(w, b)
         if p.channel_last:
-            acc_g = acc_g + block[c]
-            acc_xg = acc_xg + block[C + c]
+            for c in range(lo, hi):
+                sums[2 * c] = sums[2 * c] + block[c]
+                sums[2 * c + 1] = sums[2 * c + 1] + block[C + c]
         else:
-            acc_g = acc_g + block[2 * c]
-            acc_xg = acc_xg + block[2 * c + 1]
-    w.sums[2 * c] = acc_g
-    w.sums[2 * c + 1] = acc_xg
+            for c in range(lo, hi):
+                sums[2 * c] = sums[2 * c] + block[2 * c]
+                sums[2 * c + 1] = sums[2 * c + 1] + block[2 * c + 1]
 
 
 cdef inline bint _settled(const Work *w, int64_t c) noexcept nogil:
@@ -523,12 +573,21 @@ cdef void _combine_item(const Work *w, int64_t i) noexcept nogil:
     """Channels [i, i + 1) * COMBINE_CHUNK: sums combined, and their coefficients unless the
     call only returns sums (or the channel's forward sums are taken again)."""
     cdef int64_t c
-    for c in range(i * COMBINE_CHUNK, imin(w.p.channels, (i + 1) * COMBINE_CHUNK)):
-        _combine(w, c)
+    cdef int64_t lo = i * COMBINE_CHUNK, hi = imin(w.p.channels, (i + 1) * COMBINE_CHUNK)
+    cdef bint again = False
+    _combine(w, lo, hi)
+    for c in range(lo, hi):
         if not _settled(w, c):
             w.again[c] = True
-        elif w.op & (OP_DX | OP_PARAMS):
-            w.f.constants(w, c)
+            again = True
+    if not (w.op & (OP_DX | OP_PARAMS)):
+        return
+    if not again:
+        w.f.constants(w, lo, hi)
+        return
+    for c in range(lo, hi):
+        if not w.again[c]:
+            w.f.constants(w, c, c + 1)
 
 
 cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
@@ -541,16 +600,14 @@ cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
     cdef bint again = False
     for b in range(p.nblocks):
         sweep_block(w, b, c_lo, c_hi, OP_REDUCE)
+    _combine(w, c_lo, c_hi)
     for c in range(c_lo, c_hi):
-        _combine(w, c)
         again = not _settled(w, c) or again
     if again:          # settled channels sum the same terms again: the same bits
         for b in range(p.nblocks):
             sweep_block(w, b, c_lo, c_hi, OP_REDUCE)
-        for c in range(c_lo, c_hi):
-            _combine(w, c)
-    for c in range(c_lo, c_hi):
-        w.f.constants(w, c)
+        _combine(w, c_lo, c_hi)
+    w.f.constants(w, c_lo, c_hi)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
         sweep_block(w, b, c_lo, c_hi, OP_DX)
 
@@ -573,7 +630,7 @@ cdef void _fused_channel_item(const Work *w, int64_t c) noexcept nogil:
         w.sums[2 * c + 1] = acc_xg
         if passes == 1 or _settled(w, c):
             break
-    w.f.constants(w, c)
+    w.f.constants(w, c, c + 1)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
         major_block(w, c, b, OP_DX, NULL)
 
@@ -682,17 +739,15 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     w.sums = sums
     w.dscale = w.batch_mean = sums + 2 * C
     w.dbias = w.batch_var = sums + 3 * C
-    for c in range(C):
-        if op & OP_FORWARD and not (op & (OP_RETURN_SUMS | OP_GIVEN_SUMS)):
-            w.mean[c] = _first_shift(p, ptr, c)
-        else:             # the mean, or the two-phase forward's shift
-            w.mean[c] = load_stat(ptr[S_MEAN], p.stat_dtype, chan_origin(p, S_MEAN, c))
+    if op & OP_FORWARD and not (op & (OP_RETURN_SUMS | OP_GIVEN_SUMS)):
+        _first_shifts(p, ptr[S_X], w.mean)
+    else:                 # the mean, or the two-phase forward's shift
+        _gather(&w, S_MEAN, 0, C, 0.0, w.mean)
     if op & OP_GIVEN_SUMS:
         memcpy(sums, sums_io, 2 * C * sizeof(double))
     if want_coef and (not applies_after_sums(op) or not need_sums):
         # frozen statistics, or given sums: the constants are known before any pass
-        for c in range(C):
-            w.f.constants(&w, c)
+        w.f.constants(&w, 0, C)
 
     if s.kind == SCHED_MAJOR_SWEEP_FUSED:
         run_items(&w, _fused_group_item, s.items)
@@ -717,23 +772,20 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
                 _pass(&w, OP_REDUCE)
                 for c in range(C):
                     if w.again[c]:
-                        _combine(&w, c)
-                        w.f.constants(&w, c)
+                        _combine(&w, c, c + 1)
+                        w.f.constants(&w, c, c + 1)
         if op & OP_DX and applies_after_sums(op):
             _pass(&w, OP_DX)
     elif want_coef and op & OP_TRAINING and need_sums:
-        for c in range(C):         # nothing to read (M = 0): the coefficients of empty sums
-            w.f.constants(&w, c)
+        w.f.constants(&w, 0, C)    # nothing to read (M = 0): the coefficients of empty sums
 
     if op & OP_RETURN_SUMS:
         memcpy(sums_io, sums, 2 * C * sizeof(double))
     if op & OP_PARAMS:
-        for c in range(C):
-            store_stat(ptr[S_DSCALE], p.stat_dtype, chan_origin(p, S_DSCALE, c), w.dscale[c])
-            store_stat(ptr[S_DBIAS], p.stat_dtype, chan_origin(p, S_DBIAS, c), w.dbias[c])
+        _scatter(&w, S_DSCALE, w.dscale)
+        _scatter(&w, S_DBIAS, w.dbias)
     if op & OP_FORWARD and not (op & OP_RETURN_SUMS):
-        for c in range(C):
-            _store_forward_statistics(&w, c, momentum)
+        _store_forward_statistics(&w, momentum)
     if own != NULL:
         free(own)
     else:
@@ -741,34 +793,59 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     return 0
 
 
-cdef float _first_shift(const Plan *p, char **ptr, int64_t c) noexcept nogil:
-    """Where the forward sums channel c's terms around first: its element at index 0 of every
-    reduced dim, a value of the batch (or 0 when it is not finite, or there is none)."""
+cdef void _first_shifts(const Plan *p, const char *x, float *shift) noexcept nogil:
+    """Where the forward sums each channel's terms around first: its element at index 0 of
+    every reduced dim, a value of the batch (or 0 when it is not finite, or there is none)."""
+    cdef int64_t c
     cdef float v
-    if p.count == 0:
-        return 0.0
-    v = load_stat(ptr[S_X], p.big_dtype, chan_origin(p, S_X, c))
-    return v if v - v == 0 else 0.0
+    cdef const float *plain = f32_channels(p, <char *> x, S_X, p.big_dtype)
+    for c in range(p.channels):
+        if p.count == 0:
+            v = 0.0
+        elif plain != NULL:
+            v = plain[c]
+        else:
+            v = load_stat(x, p.big_dtype, chan_origin(p, S_X, c))
+        shift[c] = v if v - v == 0 else 0.0
 
 
-cdef void _store_forward_statistics(const Work *w, int64_t c, double momentum) noexcept nogil:
+cdef void _store_forward_statistics(const Work *w, double momentum) noexcept nogil:
     """The batch mean and variance, and the running ones (bnbw_native._formulas), each rounded
     once.  An empty batch (M = 0) leaves the running statistics as they were and has zero
-    batch statistics."""
+    batch statistics.  (A running statistic may be its old one's very view: each run of
+    channels reads the old values before it writes the new.)"""
     cdef const Plan *p = w.p
-    cdef int s, old
-    cdef double batch
+    cdef int s, run, bat
+    cdef int64_t r, c0, c, n, C = p.channels
+    cdef float old[STAT_RUN]
+    cdef double running[STAT_RUN]
+    cdef double count = w.count
+    cdef bint torch_running = (w.op & OP_TORCH_RUNNING) != 0
+    cdef const double *batch
+    cdef float *plain
     for s in range(2):
-        batch = (w.batch_mean if s == 0 else w.batch_var)[c] if w.count > 0 else 0.0
-        store_stat(w.ptr[S_BATCH_MEAN + s], p.stat_dtype, chan_origin(p, S_BATCH_MEAN + s, c),
-                   batch)
-        old = S_MEAN + s
-        if w.count > 0:
-            store_stat(w.ptr[S_RUN_MEAN + s], p.stat_dtype, chan_origin(p, S_RUN_MEAN + s, c),
-                       running_statistic(load_stat(w.ptr[old], p.stat_dtype,
-                                                   chan_origin(p, old, c)),
-                                         batch, momentum, w.count,
-                                         (w.op & OP_TORCH_RUNNING) != 0, s == 1))
-        else:
-            memmove(w.ptr[S_RUN_MEAN + s] + chan_origin(p, S_RUN_MEAN + s, c),
-                    w.ptr[old] + chan_origin(p, old, c), itemsize(p.stat_dtype))
+        batch = w.batch_mean if s == 0 else w.batch_var
+        run = S_RUN_MEAN + s
+        bat = S_BATCH_MEAN + s
+        if count <= 0:
+            for c in range(C):
+                store_stat(w.ptr[bat], p.stat_dtype, chan_origin(p, bat, c), 0.0)
+                memmove(w.ptr[run] + chan_origin(p, run, c),
+                        w.ptr[S_MEAN + s] + chan_origin(p, S_MEAN + s, c),
+                        itemsize(p.stat_dtype))
+            continue
+        _scatter(w, bat, batch)
+        plain = f32_channels(p, w.ptr[run], run, p.stat_dtype)
+        for r in range((C + STAT_RUN - 1) // STAT_RUN):
+            c0 = r * STAT_RUN
+            n = imin(STAT_RUN, C - c0)
+            _gather(w, S_MEAN + s, c0, n, 0.0, old)
+            for c in range(n):
+                running[c] = running_statistic(old[c], batch[c0 + c], momentum, count,
+                                               torch_running, s == 1)
+            for c in range(n):
+                if plain != NULL:
+                    plain[c0 + c] = <float> running[c]
+                else:
+                    store_stat(w.ptr[run], p.stat_dtype, chan_origin(p, run, c0 + c),
+                               running[c])

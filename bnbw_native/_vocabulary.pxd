@@ -181,6 +181,14 @@ cdef inline int64_t chan_origin(const Plan *p, int t, int64_t c) noexcept nogil:
     return p.chan_stride[t] * c
 
 
+cdef inline float *f32_channels(const Plan *p, char *base, int t, int dtype) noexcept nogil:
+    """Slot t's channels (of `dtype`) as a plain float32 array, or NULL when they are not one
+    (absent, another type, or not one element apart): the per-channel loops' fast path."""
+    if base == NULL or dtype != DT_F32 or p.chan_offset[t] != NULL or p.chan_stride[t] != 4:
+        return NULL
+    return <float *> base
+
+
 cdef inline void row_origin(const Plan *p, int64_t row, int64_t *off) noexcept nogil:
     """Byte offsets of row `row` (mixed radix over the outer dims) in every big tensor."""
     cdef int d, t

@@ -416,3 +416,49 @@ def test_the_descriptor_operator_runs_the_same_forward(rng, affine):
                                          beta if affine else None, epsilon=EPS, momentum=0.8,
                                          fuse_relu=True)
     assert bits(out) == bits(want)
+
+
+# ------------------------------------------------ per-channel statistics, plain or strided
+
+def strided(values):
+    """values in every other element of a larger buffer (the per-channel loops' slow path)."""
+    wide = np.full(2 * values.size, np.nan, values.dtype)
+    wide[::2] = values
+    return wide[::2]
+
+
+@pytest.mark.parametrize("C", [1, 63, 64, 65, 130])
+@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
+def test_statistics_of_any_strides_and_in_place_give_the_plain_bits(rng, C, data_format):
+    """The per-channel loops read and write plain float32 statistics as arrays, others one
+    channel at a time, in runs of 64 channels: both sides of each run boundary, both ways,
+    the running statistics written over the old ones (in place) or not, forward and backward
+    give the same bits."""
+    shape = (3, C, 4) if data_format == "NCX" else (3, 4, C)
+    x, stats = problem(rng, shape, data_format, np.float32)
+    want = bn.batchnorm_training_forward(x, *stats, epsilon=EPS, data_format=data_format)
+    got = bn.batchnorm_training_forward(x, *map(strided, stats), epsilon=EPS,
+                                        data_format=data_format)
+    assert bits(got) == bits(want)
+    mean, var = stats[0].copy(), stats[1].copy()
+    got = bn.batchnorm_training_forward(x, mean, var, *stats[2:], epsilon=EPS,
+                                        data_format=data_format,
+                                        out=(np.empty_like(x), mean, var, np.empty_like(mean),
+                                             np.empty_like(var)))
+    assert got.running_mean is mean and bits(got) == bits(want)
+    mean, var = strided(stats[0]), strided(stats[1])
+    got = bn.batchnorm_training_forward(x, mean, var, *stats[2:], epsilon=EPS,
+                                        data_format=data_format,
+                                        out=(np.empty_like(x), mean, var, strided(stats[2]),
+                                             strided(stats[3])))
+    assert got.running_mean is mean and bits(got) == bits(want)
+
+    dy = rng.standard_normal(shape).astype(np.float32)
+    bstats = (want.batch_mean, want.batch_variance, stats[2])
+    want_b = bn.batchnorm_training_backward(x, dy, *bstats, epsilon=EPS,
+                                            data_format=data_format)
+    out = (np.empty_like(x), strided(np.zeros(C, np.float32)),
+           strided(np.zeros(C, np.float32)))
+    got_b = bn.batchnorm_training_backward(x, dy, *map(strided, bstats), epsilon=EPS,
+                                           data_format=data_format, out=out)
+    assert bits(got_b) == bits(want_b)
