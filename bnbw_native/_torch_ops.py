@@ -335,6 +335,12 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, var, new_mean, new_var)
 
 
+def _param_grads(ctx, dgamma, dbeta):
+    """The parameter gradients (float32, or None) in the parameters' own types."""
+    return tuple(g if g is None or t == torch.float32 else g.to(t)
+                 for g, t in zip((dgamma, dbeta), ctx.param_types))
+
+
 def _grads(ctx, grad_y, backward, stats=()):
     """The autograd formula: `backward` is the operator, or its implementation in eager mode;
     the saved tensors hold the statistics unless given."""
@@ -344,9 +350,8 @@ def _grads(ctx, grad_y, backward, stats=()):
         return (None,) * len(ctx.needs_input_grad)
     dx, dgamma, dbeta = backward(grad_y, x, weight, *(stats or saved), y, ctx.eps, ctx.group,
                                  ctx.num_threads, need_x)
-    w_type, b_type = ctx.param_types
-    return ((dx if need_x else None, dgamma.to(w_type) if need_w else None,
-             dbeta.to(b_type) if need_b else None)
+    return ((dx if need_x else None, *_param_grads(ctx, dgamma if need_w else None,
+                                                   dbeta if need_b else None))
             + (None,) * (len(ctx.needs_input_grad) - 3))
 
 
@@ -380,7 +385,8 @@ class EagerLayerStep(torch.autograd.Function):
     gradient (the masked one) in the same pass as dx."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, running, factor, eps, relu, group, num_threads):
+    def forward(ctx, x, weight, bias, residual, running, options):
+        factor, eps, relu, group, num_threads = options       # (few arguments: apply is faster)
         y, mean, var, _ = _forward(x, weight, bias, running, factor, eps,
                                    relu and residual is None, group, num_threads, running)
         if running is not None and not group:    # written by the kernel, as by torch's op
@@ -403,14 +409,13 @@ class EagerLayerStep(torch.autograd.Function):
         x, weight, y = ctx.saved_tensors
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         if not (need_x or need_w or need_b or need_r):
-            return (None,) * 10
+            return (None,) * 6
         d_res = torch.empty_like(grad_y)
         dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, *ctx.stats, y, ctx.eps, "",
                                            ctx.num_threads, need_x, d_res)
-        w_type, b_type = ctx.param_types
-        return ((dx if need_x else None, dgamma.to(w_type) if need_w else None,
-                 dbeta.to(b_type) if need_b else None, d_res if need_r else None)
-                + (None,) * 6)
+        return ((dx if need_x else None, *_param_grads(ctx, dgamma if need_w else None,
+                                                       dbeta if need_b else None),
+                 d_res if need_r else None) + (None,) * 2)
 
 
 def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
@@ -422,8 +427,8 @@ def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, 
     backward pass in eager mode, as torch ops around the operator otherwise."""
     if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
         return EagerLayerStep.apply(x, weight, bias, residual,
-                                    _running(running_mean, running_var), factor, eps, relu,
-                                    group, num_threads)
+                                    _running(running_mean, running_var),
+                                    (factor, eps, relu, group, num_threads))
     args = (x, weight, bias, running_mean, running_var, factor, eps,
             relu and residual is None, group, num_threads)
     if torch.compiler.is_compiling():

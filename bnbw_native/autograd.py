@@ -54,12 +54,15 @@ def _check_options(eps: float, num_threads: Optional[int]) -> None:
     requested_threads(num_threads)
 
 
+_INPUT_TYPES = STORAGE + (torch.float64,)
+
+
 def _check_input(x: Any, num_features: Optional[int]) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         raise TypeError(f"input must be a CPU tensor, got device {x.device}")
-    if x.dtype not in STORAGE + (torch.float64,):
+    if x.dtype not in _INPUT_TYPES:
         raise TypeError(f"input must be float32, float16 or bfloat16 (or float64, which runs "
                         f"torch's own batch norm), got {x.dtype}")
     if not 2 <= x.dim() <= 8:
@@ -183,7 +186,8 @@ class BatchNorm(torch.nn.Module):
                residual: Optional[torch.Tensor]) -> torch.Tensor:
         running_mean, running_var, factor = None, None, 0.0
         if self.track_running_stats:
-            if any(_batched(t) for t in (x, self.weight, self.bias) if t is not None):
+            if (torch._C._are_functorch_transforms_active()    # (vmap's tensors exist only then)
+                    and any(_batched(t) for t in (x, self.weight, self.bias) if t is not None)):
                 raise RuntimeError(
                     "vmap over a batch norm that updates its running statistics: they are not "
                     "batched and cannot take one update per entry; make the layer with "
