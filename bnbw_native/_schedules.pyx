@@ -40,6 +40,7 @@ cdef enum:
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
     ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance
+    ROW_SHARE = 512       # bytes: the least share of a channel-last row a thread takes
     FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
     STREAM_ROW_MIN = 8192 # bytes: the shortest channel-major dx row written past the caches
 
@@ -81,16 +82,18 @@ def set_stream_policy(str policy):
 
 # Threads that pay for themselves: a call takes one thread per this many bytes of the big
 # tensors it reads (x, and dy in the backward), at most the threads it was given.  A parallel
-# region costs ~5-15 us (team wake-up, the barrier at its end; measured on 2-core KVM guests),
-# about what one core takes to read 512 KiB from its L2 twice: below that a second thread
-# costs more than it brings.  Results never change (tests set it to 0, so that small inputs
-# reach every team).
-cdef int64_t thread_work_floor = 512 * 1024
+# region (the team's wake-up, the barrier at its end) costs 1.5 us while the team spins and
+# ~4 us once it sleeps, and a call opens up to three; one thread takes ~25 us over 128 KiB of
+# a call (two passes from its cache): past that a second thread brings more than it costs
+# (docs/architecture.md, "Threads").  Results never change (tests set it to 0, so that small
+# inputs reach every team).
+cdef int64_t thread_work_floor = 128 * 1024
 
 
 def set_thread_work_floor(int64_t nbytes):
     """Bytes read per thread below which a call runs on fewer threads (0: as many as given,
-    past SERIAL_BELOW elements); returns the previous setting."""
+    past SERIAL_BELOW elements, channel-last rows shared however thinly); returns the previous
+    setting."""
     global thread_work_floor
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -143,6 +146,13 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
     cdef bint sums = (op & OP_REDUCE) != 0
     s.partial_doubles = p.partial_stride * p.nblocks if sums else 0
     s.kind = SCHED_LAST_SPLIT
+    # The threads of a call of one row block share its rows: each takes ROW_SHARE bytes of a
+    # row at least.  Measured on two threads: 128- and 256-byte shares (of 256- and 512-byte
+    # rows) ran slower than one thread, 512-byte shares (of 1 KiB rows) faster.
+    # (Off with the floor: tests reach every team on small inputs.)
+    if thread_work_floor > 0 and p.nblocks == 1 and nt * ROW_SHARE > C * isz:
+        nt = <int> max(C * isz // ROW_SHARE, 1)
+        s.nthreads = nt
     width = imin(C, TILE)
     if nt > 1 and p.nblocks * ((C + width - 1) // width) < ITEMS_PER_THREAD * nt:
         width = (C * p.nblocks + ITEMS_PER_THREAD * nt - 1) // (ITEMS_PER_THREAD * nt)

@@ -51,8 +51,9 @@ def set_scratch_poison(on: bool) -> bool:
 
 def set_thread_work_floor(nbytes: int) -> int:
     """Bytes of x (and dy) a call reads per thread below which it runs on fewer threads than
-    given (the default, 512 KiB, is what a thread's share must bring to pay for its parallel
-    region); 0: every call past the engine's serial floor on the threads it was given.
+    given (the default, 128 KiB, is what a thread's share must bring to pay for its parallel
+    regions); 0: every call past the engine's serial floor on the threads it was given
+    (channel-last rows shared however thinly).
     Returns the previous setting."""
     return int(_schedules.set_thread_work_floor(nbytes))
 

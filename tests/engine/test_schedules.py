@@ -260,34 +260,60 @@ def test_the_tuning_module_drives_the_knobs_it_names(cache_model):
     assert tuning.TILE_ELEMENTS == 2048 and set(tuning.KERNEL_CAPS) >= {"portable"}
 
 
+FLOOR = 128 * 1024          # bytes a thread must read (the default thread rule)
+ROW_SHARE = 512             # bytes of a channel-last row a thread that shares rows takes
+
+
 @pytest.fixture
 def thread_rule():
     """The default thread rule (the session runs with the floor at 0)."""
-    previous = tuning.set_thread_work_floor(512 * 1024)
+    previous = tuning.set_thread_work_floor(FLOOR)
     yield
     tuning.set_thread_work_floor(previous)
 
 
 @pytest.mark.parametrize("formula, arrays", [("training", 2), ("forward", 1)])
 @pytest.mark.parametrize("data_format", ["NXC", "NCX"])
-@pytest.mark.parametrize("elements", [65536, 131072, 262144 - 64, 262144, 1 << 20])
-def test_a_call_takes_one_thread_per_512_kib_it_reads(thread_rule, formula, arrays, data_format,
-                                                     elements):
-    # x (and dy) bytes // 512 KiB threads, at most those given, at least one; on both sides
-    # of each step
-    shape = (elements // 64, 64) if data_format == "NXC" else (elements // 64, 64, 1)
-    paid = max(1, 4 * elements * arrays // (512 * 1024))
+@pytest.mark.parametrize("elements", [65536, 98304 - 64, 98304, 131072 - 64, 131072, 1 << 20])
+def test_a_call_takes_one_thread_per_128_kib_it_reads(thread_rule, formula, arrays,
+                                                     data_format, elements):
+    # x (and dy) bytes // 128 KiB threads, at most those given, at least one; on both sides
+    # of each step (rows of 4 KiB: the row-share rule never binds)
+    shape = (elements // 1024, 1024) if data_format == "NXC" else (elements // 4096, 64, 64)
+    paid = max(1, 4 * elements * arrays // FLOOR)
     for given in (1, 2, 3, 8):
         facts = tuning.describe(np.zeros(shape, np.float32), data_format, formula=formula,
                                 num_threads=given)
         assert facts["threads"] == min(given, paid, facts["items"]), (given, facts)
 
 
+@pytest.mark.parametrize("rows, C, given, want", [
+    (1024, 64, 2, 1),       # one row block of 256-byte rows: no 512-byte shares for two
+    (1024, 128, 2, 1),      # 512-byte rows: one share
+    (512, 256, 2, 2),       # 1 KiB rows: two 512-byte shares
+    (512, 256, 3, 2),
+    (128, 1024, 8, 8),      # 4 KiB rows: eight shares
+    (128, 512, 8, 4),
+    (6272, 64, 2, 2),       # thin rows in many blocks: threads take blocks, not shares
+])
+def test_threads_that_share_one_row_block_take_512_bytes_of_a_row(thread_rule, rows, C, given,
+                                                                   want):
+    facts = tuning.describe(np.zeros((rows, C), np.float32), "NXC", num_threads=given)
+    assert (facts["blocks"] == 1) == (rows <= 1024), facts
+    assert facts["threads"] == min(want, facts["items"]), facts
+
+
+def test_without_the_floor_threads_share_rows_however_thinly():
+    # the tests' setting (floor 0): small channel-last inputs reach every team
+    facts = tuning.describe(np.zeros((1024, 64), np.float32), "NXC", num_threads=2)
+    assert facts["blocks"] == 1 and facts["threads"] == 2, facts
+
+
 def test_the_thread_rule_counts_bytes_not_elements(thread_rule):
     # float16 halves the bytes of the same elements: half the threads
-    shape = (8192, 64)
-    f32 = tuning.describe(np.zeros(shape, np.float32), "NXC", num_threads=8)
-    f16 = tuning.describe(np.zeros(shape, np.float16), "NXC", num_threads=8)
+    shape = (32, 64, 64)        # x and dy of 1 MiB in float32: eight 128 KiB shares
+    f32 = tuning.describe(np.zeros(shape, np.float32), "NCX", num_threads=8)
+    f16 = tuning.describe(np.zeros(shape, np.float16), "NCX", num_threads=8)
     assert (f32["threads"], f16["threads"]) == (8, 4)
 
 
