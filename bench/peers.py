@@ -1,7 +1,7 @@
 """The implementations timed beside ours: the package's float64 reference, a float32 NumPy
-backward and forward (what a NumPy user writes), PyTorch's own kernels (optional), and, for the
-fused ReLU rows, PyTorch's ReLU backward followed by our unfused call.  oneDNN is in
-onednn_peer.py."""
+backward and forward (what a NumPy user writes), PyTorch's own kernels (optional), the same ops
+compiled by torch.compile (optional), and, for the fused ReLU rows, PyTorch's ReLU backward
+followed by our unfused call.  oneDNN is in onednn_peer.py."""
 import numpy as np
 
 from bnbw_native import reference as _reference
@@ -169,7 +169,97 @@ def torch_forward_call(X, problem, relu):
 
 def torch_forward_result(t, x, layout):
     """torch's forward as (dst, None, None, batch_mean, batch_variance) NumPy arrays, dst
-    arranged like `layout`'s arrays, the variance from save_invstd in float64."""
+    arranged like `layout`'s arrays, the variance from save_invstd in float64.  The statistics
+    are float32 from eager torch; torch.compile's gives them in x's dtype (f16, bf16 too)."""
     dst = from_torch(t[0], x.dtype, layout)
-    invstd = t[2].numpy().astype(np.float64)
-    return (dst, None, None, t[1].numpy(), 1 / (invstd * invstd) - float(np.float32(EPSILON)))
+    invstd = t[2].double().numpy()
+    return (dst, None, None, t[1].float().numpy(),
+            1 / (invstd * invstd) - float(np.float32(EPSILON)))
+
+
+def compile_unavailable():
+    """Why the torch-compiled column cannot run in this process, or None."""
+    if torch is None:
+        return "torch is not importable"
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    from torch import _dynamo
+    try:
+        _dynamo.eval_frame.check_if_dynamo_supported()
+    except Exception as exc:      # its message says which platform or Python is missing
+        return f"torch.compile is not supported here: {exc}"
+    return None
+
+
+def compiled_now(graph, args):
+    """torch.compile(graph) with the default (inductor) backend, compiled by a first call on
+    `args`, as a callable without arguments that calls it on them again.
+
+    Called inside the row's thread limit, before the timing: inductor writes its C++ loops for
+    torch.get_num_threads() at compile time (serial code for one thread).  dynamo is reset
+    first: it keeps what it compiled on graph's code object, at most 8 variants
+    (config.recompile_limit), and past them runs the function eagerly with no more than a
+    warning in the log; reset, every case and thread count gets code of its own and the
+    previous cases' is freed.  dynamic=False: the row's sizes and strides are constants of the
+    code, as they are of every call; fullgraph=True: a graph break would leave part of the work
+    to eager torch, so it fails the compilation instead."""
+    from torch import _dynamo
+    _dynamo.reset()
+    compiled = torch.compile(graph, dynamic=False, fullgraph=True)
+    compiled(*args)
+    return lambda: compiled(*args)
+
+
+def torch_compiled_call(X, DY, problem, num_outputs, Y=None):
+    """The torch-compiled peer's backward, compiled now (`compiled_now`): the op of
+    `torch_call` - aten.native_batch_norm_backward on the views X, DY with the row's saved
+    statistics, after ReLU's aten.threshold_backward when Y is given (inductor fuses the two)
+    - in a function of tensors handed to torch.compile, as a callable returning
+    (dx, dgamma, dbeta).
+
+    The backward op is compiled on its own because it is what a compiled training step runs
+    for a batch norm's backward: AOTAutograd's backward graph of a training-mode batch norm is
+    this op, and inductor makes the same C++ kernel of it either way (the per-channel sums,
+    then the dx loop: the generated code compared, torch 2.13, f32 NCX), while the row times a
+    backward from saved statistics, as ours and every peer do.  Compiling the forward and
+    calling backward on its output would add autograd's bookkeeping on a retained graph and
+    differentiate inductor's own batch statistics instead of the row's; torch.autograd.grad
+    inside the compiled function is a graph break (dynamo's trace_autograd_ops is off by
+    default), which comes down to the same."""
+    aten = torch.ops.aten
+    mean = torch.from_numpy(problem["mean"])
+    if num_outputs == 1:       # frozen: eval mode with the statistics as running stats
+        var = torch.from_numpy(problem["var"])
+
+        def frozen(dy, x, mean, var):
+            return aten.native_batch_norm_backward(dy, x, None, mean, var, None, None, False,
+                                                   EPSILON, [True, False, False])
+        return compiled_now(frozen, (DY, X, mean, var))
+    weight = torch.from_numpy(problem["gamma"])
+    invstd = torch.from_numpy(
+        (1 / np.sqrt(problem["var"] + np.float32(EPSILON))).astype(np.float32))
+
+    def training(dy, x, weight, mean, invstd, *relu_y):
+        grad = aten.threshold_backward(dy, relu_y[0], 0) if relu_y else dy
+        return aten.native_batch_norm_backward(grad, x, weight, None, None, mean, invstd, True,
+                                               EPSILON, [True, True, True])
+    return compiled_now(training, (DY, X, weight, mean, invstd) + (() if Y is None else (Y,)))
+
+
+def torch_compiled_forward_call(X, problem, relu):
+    """The torch-compiled peer's forward, compiled now (`compiled_now`): the op of
+    `torch_forward_call` (aten.native_batch_norm in training mode on the view X, its running
+    statistics updated in place, momentum 1 - MOMENTUM), then torch.relu with `relu`, which
+    inductor fuses into the normalisation loop; a callable returning (y, save_mean,
+    save_invstd)."""
+    aten = torch.ops.aten
+    weight = torch.from_numpy(problem["gamma"])
+    bias = torch.from_numpy(problem["beta"])
+    run_mean = torch.from_numpy(problem["run_mean"].copy())
+    run_var = torch.from_numpy(problem["run_var"].copy())
+
+    def forward(x, weight, bias, run_mean, run_var):
+        y, save_mean, save_invstd = aten.native_batch_norm(x, weight, bias, run_mean, run_var,
+                                                           True, 1 - MOMENTUM, EPSILON)
+        return (torch.relu(y) if relu else y), save_mean, save_invstd
+    return compiled_now(forward, (X, weight, bias, run_mean, run_var))

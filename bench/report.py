@@ -18,13 +18,15 @@ def fmt_ratio(value):
 
 class Table:
     """The terminal table's columns: the standard ones, plus `xtorch-alloc` when the run times
-    torch allocating its outputs (the default), `xunfus` when it has fused ReLU rows and
-    `body`, `xbody` when it compares kernel bodies.  With forward rows (`forward`) the error
-    column is headed `err dx|y`: dx's error on backward rows, dst's on forward rows."""
+    torch allocating its outputs (the default), `xtorch-compiled` when it times torch.compile's
+    (asked for), `xunfus` when it has fused ReLU rows and `body`, `xbody` when it compares
+    kernel bodies.  With forward rows (`forward`) the error column is headed `err dx|y`: dx's
+    error on backward rows, dst's on forward rows."""
 
-    def __init__(self, unfused=False, bodies=False, torch_alloc=True, forward=False):
+    def __init__(self, unfused=False, bodies=False, torch_alloc=True, forward=False,
+                 torch_compiled=False):
         self.unfused, self.bodies, self.torch_alloc = unfused, bodies, torch_alloc
-        self.forward = forward
+        self.forward, self.torch_compiled = forward, torch_compiled
 
     @property
     def header(self):
@@ -33,6 +35,7 @@ class Table:
                 f"{'ms':>9} {'GB/s':>6} {'%roof':>6} "
                 + (f"{'xbody':>6} " if self.bodies else "") +
                 f"{'xtorch':>6} " + (f"{'xtorch-alloc':>12} " if self.torch_alloc else "") +
+                (f"{'xtorch-compiled':>15} " if self.torch_compiled else "") +
                 f"{'xonednn':>7} "
                 + (f"{'xunfus':>6} " if self.unfused else "") +
                 f"{'xnp32':>6} {'xref':>6} {'err dx|y' if self.forward else 'err dx':>8} "
@@ -48,6 +51,7 @@ class Table:
                 + (f"{fmt_ratio(row.vs_first_body)} " if self.bodies else "") +
                 f"{fmt_ratio(row.vs_torch)} "
                 + (f"{fmt_ratio(row.vs_torch_alloc):>12} " if self.torch_alloc else "") +
+                (f"{fmt_ratio(row.vs_torch_compiled):>15} " if self.torch_compiled else "") +
                 f"{fmt_ratio(row.vs_onednn):>7} "
                 + (f"{fmt_ratio(row.vs_unfused)} " if self.unfused else "") +
                 f"{fmt_ratio(row.vs_numpy)} {fmt_ratio(row.vs_ref)} "
@@ -105,8 +109,8 @@ def network_totals(rows):
     """For each whole network (shapes.NETWORK_LAYERS) whose every shape has a row: the time of
     all its batch norms' backward, or forward for the forward formulas (each shape's ms x how
     many layers have it), ours and the peers (torch with reused blocks, torch allocating,
-    oneDNN), per layout, dtype, formula, threads and body.  A peer's total needs all its
-    rows."""
+    torch compiled, oneDNN), per layout, dtype, formula, threads and body.  A peer's total
+    needs all its rows."""
     out = []
     for group in shape_lists.NETWORK_LAYERS:
         members = shape_lists.GROUPS[group]
@@ -121,12 +125,13 @@ def network_totals(rows):
             entry = {"network": group, "layout": layout, "dtype": dtype, "formula": formula,
                      "threads": threads, "body": body}
             for who, attr in (("ours", "ours_ms"), ("torch", "torch_ms"),
-                              ("torch_alloc", "torch_alloc_ms"), ("onednn", "onednn_ms")):
+                              ("torch_alloc", "torch_alloc_ms"),
+                              ("torch_compiled", "torch_compiled_ms"), ("onednn", "onednn_ms")):
                 times = [getattr(r, attr) for r in found.values()]
                 entry[f"{who}_ms"] = (sum(shape_lists.LAYERS[n] * getattr(r, attr)
                                           for n, r in found.items())
                                       if all(t is not None for t in times) else None)
-            for who in ("torch", "torch_alloc", "onednn"):
+            for who in ("torch", "torch_alloc", "torch_compiled", "onednn"):
                 entry[f"vs_{who}"] = (entry[f"{who}_ms"] / entry["ours_ms"]
                                       if entry[f"{who}_ms"] else None)
             out.append(entry)

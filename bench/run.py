@@ -3,8 +3,8 @@
 
     python bench/run.py [--quick] [--threads 1,2] [--dtypes f32,f16,bf16] [--json PATH]
                         [--plot PATH] [--shapes NAMES] [--layouts ...] [--formulas ...]
-                        [--peers torch,torch-alloc,numpy,reference,onednn] [--split]
-                        [--bodies avx2,avx512] [--layers | --layers-only]
+                        [--peers torch,torch-alloc,numpy,reference,onednn,torch-compiled]
+                        [--split] [--bodies avx2,avx512] [--layers | --layers-only]
 
 Each row is one case: a named shape (bench/shapes.py) x a memory layout x a storage dtype x
 a formula (the backward's training, frozen, relu, relu-mask; the forward's forward,
@@ -19,6 +19,10 @@ forward-relu) x a thread count.  For every row, in one interleaved measurement:
              reused from call to call (bench/torch_cache.cpp; optional);
 * torch-alloc  the same op allocating its outputs on every call, as torch's own allocator
              does (optional);
+* torch-compiled  the torch column's ops in a function compiled by torch.compile (inductor,
+             CPU), once per case and thread count before the timing, its outputs in reused
+             blocks too (optional; not in the default --peers, since the compilations, 1-4 s
+             each, would more than double a default run: ask for it by name);
 * onednn     oneDNN's batch-normalization backward (forward rows: forward_training) through
              its C API on the same buffers (optional: the onednn-cpu-gomp wheel);
 * unfused    relu rows: torch's ReLU backward into a preallocated buffer, then our call
@@ -68,7 +72,7 @@ from overhead import call_overhead  # noqa: E402
 from report import (WEAK_CACHE_SPEEDUP, WEAK_DRAM_PCT, class_bandwidth,  # noqa: E402
                     fmt_ratio, network_totals, onednn_implementations, plot, weak_rows,
                     weak_summary, write_json)
-from runner import PEERS, Runner  # noqa: E402
+from runner import ALL_PEERS, PEERS, TORCH_COLUMNS, Runner  # noqa: E402
 from timing import FULL, QUICK  # noqa: E402
 import torch_cache  # noqa: E402
 import torch_layers  # noqa: E402
@@ -110,7 +114,9 @@ def parser():
     p.add_argument("--formulas", default=",".join(DEFAULT_FORMULAS),
                    help=f"comma list of {','.join(FORMULAS)}")
     p.add_argument("--peers", default=",".join(PEERS),
-                   help=f"comma list of {','.join(PEERS)} ('' for none)")
+                   help=f"comma list of {','.join(ALL_PEERS)} ('' for none; default "
+                        "%(default)s: torch-compiled, compiled once per case and thread count, "
+                        "only when named)")
     p.add_argument("--split", action="store_true",
                    help="also time backward_reduce and backward_apply of training rows "
                         "against the reduce (r2) and apply (r2w1) probes")
@@ -163,6 +169,16 @@ def print_header(info, threads, probe, runner, notes):
                         f"{1 - MOMENTUM:g}, torch's convention), forward-relu + torch.relu_ in "
                         "place; xunfus = our forward, then torch.relu_ on its output"
                         if set(runner.formulas) & set(FORWARD_FORMULAS) else ""))
+    if "torch-compiled" in runner.peers:
+        print("torch-compiled peer: xtorch-compiled = the torch column's ops (backward: "
+              "aten.native_batch_norm_backward from the saved statistics; forward rows: "
+              "aten.native_batch_norm in training mode) in a function compiled by torch.compile "
+              "(inductor, dynamic=False, fullgraph=True) once per case and thread count, "
+              "before the timing; " + ("outputs in reused blocks, as xtorch's"
+                                       if runner.torch_cache is not None else
+                                       "outputs allocated on every call") +
+              "; its err is inductor's float32 arithmetic (JSON torch_compiled_err, compile "
+              "seconds per row)")
     for note in notes:
         print(f"NOTE: {note}")
 
@@ -233,7 +249,7 @@ def main(argv=None):
     if "bf16" in dtypes and "bf16" not in DTYPES:
         dtypes.remove("bf16")
         notes.append("bf16 rows skipped: ml_dtypes is not installed")
-    peers = parse_list(args.peers, PEERS, "peer")
+    peers = parse_list(args.peers, ALL_PEERS, "peer")
     bodies = parse_list(args.bodies, tuning.KERNEL_CAPS, "kernel body") if args.bodies \
         else None
     named = select_shapes(args.shapes, args.quick)
@@ -269,8 +285,9 @@ def main(argv=None):
 
     print("\n" + TRAFFIC_TEXT)
     print("columns: ms = median of our calls; GB/s = model bytes / ms; %roof = roofline time "
-          "(probe) / our time; xtorch, xtorch-alloc, xonednn, xunfus, xnp32, xref = peer ms / "
-          "our ms (xtorch: torch's outputs in reused blocks; xtorch-alloc: allocated per call); "
+          "(probe) / our time; xtorch, xtorch-alloc, xtorch-compiled, xonednn, xunfus, xnp32, "
+          "xref = peer ms / our ms (xtorch: torch's outputs in reused blocks; xtorch-alloc: "
+          "allocated per call; xtorch-compiled: torch.compile's, when asked for); "
           "err dx = vs float64 reference" +
           (" (err dx|y: dst's on forward rows; forward momentum "
            f"{MOMENTUM}, the old statistics' weight)" if set(formulas) & set(FORWARD_FORMULAS)
@@ -299,7 +316,10 @@ def main(argv=None):
             print(f"  {e['network']:<16} {e['layout']:<7} {e['dtype']:<4} {e['formula']:<12} "
                   f"thr {e['threads']} {e['body']}: ours {e['ours_ms']:9.2f} ms, "
                   f"xtorch {fmt_ratio(e['vs_torch'])}, xtorch-alloc "
-                  f"{fmt_ratio(e['vs_torch_alloc'])}, xonednn {fmt_ratio(e['vs_onednn'])}")
+                  f"{fmt_ratio(e['vs_torch_alloc'])}, " +
+                  (f"xtorch-compiled {fmt_ratio(e['vs_torch_compiled'])}, "
+                   if "torch-compiled" in runner.peers else "") +
+                  f"xonednn {fmt_ratio(e['vs_onednn'])}")
 
     t0 = perf_counter()
     overhead = call_overhead(rounds=5 if args.quick else 9, number=300 if args.quick else 2000,
@@ -355,8 +375,7 @@ def main(argv=None):
     results = {
         "machine": info, "notes": notes,
         "protocol": asdict(protocol), "quick": args.quick,
-        "torch_peer": runner.torch_peer_info() if runner.peers & {"torch", "torch-alloc"}
-        else None,
+        "torch_peer": runner.torch_peer_info() if runner.peers & TORCH_COLUMNS else None,
         "traffic_model": traffic_model(),
         "forward_momentum": MOMENTUM,
         "err_outputs": {"backward": OUTPUT_NAMES["backward"],

@@ -2,6 +2,7 @@
 and the peers timed interleaved on the same data, every result checked against the float64
 reference.  A backward case (`run_backward_case`) and a forward case (`run_forward_case`) each
 say what is called and how its results are checked; timing, rows and verdicts are shared."""
+import contextlib
 import os
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -22,15 +23,23 @@ from checks import (TOLERANCE, CheckFailed, errors, forward_errors, peer_verdict
                     within)
 from machine import size_class
 from report import Table
-from peers import (REFERENCE_NAME, from_torch, numpy_f32_backward, numpy_f32_forward,
-                   reference, reference_forward, torch, torch_call, torch_forward_call,
+from peers import (REFERENCE_NAME, compile_unavailable, from_torch, numpy_f32_backward,
+                   numpy_f32_forward, reference, reference_forward, torch, torch_call,
+                   torch_compiled_call, torch_compiled_forward_call, torch_forward_call,
                    torch_forward_result, torch_inputs, torch_result)
 from procmem import minor_faults
 from timing import measure
 
 # Timed like ours (more rounds): ours, the probes, the two phases.
 SUBJECTS = ("ours", "probe", "probe1", "reduce", "apply", "probe_reduce", "probe_apply")
-PEERS = ("torch", "torch-alloc", "numpy", "reference", "onednn")
+PEERS = ("torch", "torch-alloc", "numpy", "reference", "onednn")     # the default run's
+# Asked for by name only: compiling once per case and thread count (1-4 s each) would more than
+# double a default run.
+OPTIONAL_PEERS = ("torch-compiled",)
+ALL_PEERS = PEERS + OPTIONAL_PEERS
+TORCH_COLUMNS = {"torch", "torch-alloc", "torch-compiled"}
+# The columns whose outputs come from torch_cache.cpp's reused blocks while they are timed.
+REUSED_BLOCKS = ("torch", "torch-compiled")
 # How each torch column gets its outputs (JSON "torch_peer"; bench/README.md, "Peers").
 TORCH_PEER = {
     "torch": "aten.native_batch_norm_backward with its outputs in reused blocks: "
@@ -53,6 +62,15 @@ TORCH_PEER = {
                             "as the backward's do: aten.native_batch_norm.out is a CPU kernel "
                             "of its own (batch_norm_cpu_out) and, unlike the backward's, "
                             "writes into its out tensors without new pages",
+    "torch-compiled": "the torch column's ops on the same views in a function compiled by "
+                      "torch.compile (inductor, dynamic=False, fullgraph=True): "
+                      "aten.native_batch_norm_backward with the row's saved statistics "
+                      "(after aten.threshold_backward on ReLU rows, fused), forward rows "
+                      "aten.native_batch_norm in training mode (+ torch.relu, fused); "
+                      "compiled once per case and thread count before the timing (inductor's "
+                      "loops are written for torch.get_num_threads()), a compilation while "
+                      "timed fails the run; outputs in reused blocks as the torch column's; its "
+                      "errors are inductor's float32 arithmetic",
 }
 # Rows whose torch call faults more than this share of dx's 4 KiB pages get a note: the reused
 # blocks did not hold.
@@ -82,6 +100,7 @@ class Row:
     probe_threads_ms: float    # the probe on exactly `threads` threads, scaled alike
     torch_ms: float = None     # outputs in reused blocks (TORCH_PEER["torch"])
     torch_alloc_ms: float = None  # outputs allocated on every call (TORCH_PEER["torch-alloc"])
+    torch_compiled_ms: float = None  # torch.compile of the torch column's ops (TORCH_PEER)
     numpy_ms: float = None
     ref_ms: float = None
     onednn_ms: float = None
@@ -89,6 +108,7 @@ class Row:
     #                            forward-relu rows: our forward without ReLU, then torch.relu_
     vs_torch: float = None
     vs_torch_alloc: float = None
+    vs_torch_compiled: float = None
     vs_numpy: float = None
     vs_ref: float = None
     vs_onednn: float = None
@@ -96,6 +116,7 @@ class Row:
     err: list = field(default_factory=list)   # cases.OUTPUT_NAMES order; None: not given
     torch_err: list = None
     torch_alloc_err: list = None
+    torch_compiled_err: list = None
     numpy_err: list = None
     onednn_err: list = None
     unfused_err: list = None
@@ -111,6 +132,8 @@ class Row:
     faults_per_call: dict = None  # {implementation: page faults per timed call (getrusage)}
     torch_new_blocks_per_call: float = None  # blocks torch_cache.cpp had to make per timed
     #                                          torch call (0: every output was a reused block)
+    torch_compiled_compile_s: float = None   # seconds torch.compile took for this row (untimed)
+    torch_compiled_error: str = None   # why the case's compilation failed (no column then)
 
 
 def resolve_bodies(caps):
@@ -123,6 +146,28 @@ def resolve_bodies(caps):
         finally:
             tuning.use_kernels(previous)
     return found
+
+
+@contextlib.contextmanager
+def no_recompilation(active, where):
+    """Around the timing of the torch-compiled column: a compilation meanwhile (a guard that no
+    longer held) would be in its times, so it fails the run.  Counted, not refused:
+    torch.compiler.set_stance("fail_on_recompile") costs ~17 us a call (torch 2.13), more than
+    the whole call of ours on a tiny case."""
+    if not active:
+        yield
+        return
+    from torch._dynamo.utils import counters
+    before = counters["stats"]["unique_graphs"]
+    yield
+    if counters["stats"]["unique_graphs"] != before:
+        raise CheckFailed(f"{where}: torch-compiled was compiled again while it was timed")
+
+
+def first_line(exc, most=200):
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:most]}" if lines else type(exc).__name__
 
 
 class Runner:
@@ -140,8 +185,13 @@ class Runner:
         if torch is None and self.peers & {"torch", "torch-alloc"}:
             self.peers -= {"torch", "torch-alloc"}
             self.notes.append("torch and unfused columns skipped: torch is not importable")
-        # The fair torch peer's allocator; without it the torch column allocates (noted).
-        self.torch_cache = torch_cache.load() if "torch" in self.peers else None
+        if "torch-compiled" in self.peers:
+            why = compile_unavailable()
+            if why:
+                self.peers.discard("torch-compiled")
+                self.notes.append(f"torch-compiled column skipped: {why}")
+        # The fair torch peers' allocator; without it their columns allocate (noted).
+        self.torch_cache = (torch_cache.load() if self.peers & set(REUSED_BLOCKS) else None)
         if self.torch_cache is not None:
             installed = self.torch_cache.on()
             self.torch_cache.off()
@@ -149,8 +199,10 @@ class Runner:
                 self.torch_cache = None
                 torch_cache.why_absent = ("torch kept another CPU allocator of higher priority "
                                           "(c10::SetCPUAllocator)")
-        if "torch" in self.peers and self.torch_cache is None:
-            self.notes.append(f"torch column allocates its outputs: {torch_cache.why_absent}")
+        if self.peers & set(REUSED_BLOCKS) and self.torch_cache is None:
+            columns = " and ".join(c for c in REUSED_BLOCKS if c in self.peers)
+            self.notes.append(f"{columns} column allocates its outputs: "
+                              f"{torch_cache.why_absent}")
         self.onednn = onednn_peer.load() if "onednn" in self.peers else None
         if "onednn" in self.peers and self.onednn is None:
             self.peers.discard("onednn")
@@ -171,6 +223,7 @@ class Runner:
         self.table = table or Table(unfused=bool(set(self.formulas) & relu),
                                     bodies=bool(self.bodies),
                                     torch_alloc="torch-alloc" in self.peers,
+                                    torch_compiled="torch-compiled" in self.peers,
                                     forward=bool(set(self.formulas) & set(FORWARD_FORMULAS)))
         self.rows = []
 
@@ -256,17 +309,19 @@ class Runner:
             fns["probe1"] = self.probe.kernel(tr["pattern"], tr["bufs"], 1)
         return fns
 
-    def fair_torch(self, call, holder):
-        """The fair torch column: the previous result's blocks go back before the next call."""
+    def fair_torch(self, call, holder, name="torch"):
+        """A fair torch column: the previous result's blocks go back before the next call."""
         def fair():
-            holder.pop("torch", None)
-            holder["torch"] = call()
+            holder.pop(name, None)
+            holder[name] = call()
         return fair
 
-    def timed(self, fns, nthreads, known, dx_bytes, build_onednn):
+    def timed(self, fns, nthreads, known, dx_bytes, build_onednn, build_compiled=None,
+              where=""):
         """Time `fns` interleaved inside the row's thread limit; (times, oneDNN's call or None).
-        oneDNN fixes a primitive's thread count when it is created, so `build_onednn` runs
-        here, inside the limit."""
+        oneDNN fixes a primitive's thread count when it is created, and inductor its loops'
+        when it compiles, so `build_onednn` and `build_compiled` (the torch-compiled call or
+        None) run here, inside the limit, before the timing."""
         before = {}
         with self.pools.limit(limits=nthreads):
             if torch is not None:
@@ -274,28 +329,37 @@ class Runner:
             onednn_call = build_onednn()
             if onednn_call is not None:
                 fns["onednn"] = onednn_call
+            compiled_call = build_compiled() if build_compiled is not None else None
+            if compiled_call is not None:
+                fns["torch-compiled"] = compiled_call
             steps = {name: [] for name in fns}
             if self.bodies:     # ours under each cap; everything else under the first
                 first = next(iter(self.bodies))
                 for name in fns:
                     cap = self.ours_names().get(name, first)
                     steps[name].append(lambda cap=cap: tuning.use_kernels(cap))
-            if self.torch_cache is not None:   # torch's outputs reused for "torch" alone
+            if self.torch_cache is not None:   # torch's outputs reused for these columns alone
                 for name in fns:
-                    steps[name].append(self.torch_cache.on if name == "torch"
+                    steps[name].append(self.torch_cache.on if name in REUSED_BLOCKS
                                        else self.torch_cache.off)
             for name, todo in steps.items():
                 if todo:
                     before[name] = lambda todo=tuple(todo): [step() for step in todo]
             # Untimed first calls, so that a sample is never a first call (in --quick a
             # slow peer's one sample is its warm-up call): torch's reused blocks and
-            # oneDNN's scratchpad exist, and are resident, before the timing.
-            for name in ("torch", "onednn"):
+            # oneDNN's scratchpad exist, and are resident, before the timing.  torch-compiled
+            # first: both torch columns draw on one pool of blocks, and torch's calls settle
+            # (up to 3) around the block compiled code holds; the other way round, compiled
+            # code took the block torch's NCX path makes but never fills, and every timed
+            # torch call faulted on a fresh one.
+            for name in ("torch-compiled", "torch", "onednn"):
                 if name in fns:
                     self.prime(fns[name], before.get(name), dx_bytes)
             try:
-                times = measure(fns, self.protocol, subjects=SUBJECTS, known=known,
-                                before=before, count=self.events)
+                with no_recompilation(compiled_call is not None,
+                                      f"{where} threads={nthreads}"):
+                    times = measure(fns, self.protocol, subjects=SUBJECTS, known=known,
+                                    before=before, count=self.events)
             finally:
                 if self.torch_cache is not None:
                     self.torch_cache.off()
@@ -369,6 +433,40 @@ class Runner:
             return None
         return call
 
+    def compiled_builder(self, compile_call, state, holder, where):
+        """`timed`'s build_compiled for a case with the torch-compiled column, else None."""
+        if compile_call is None:
+            return None
+        return lambda: self.compiled_build(compile_call, state, holder, where)
+
+    def compiled_build(self, compile_call, state, holder, where):
+        """The torch-compiled column's call for this row, compiled now by `compile_call` (in
+        the row's thread limit, before the timing), or None when the case's compilation
+        failed, at this thread count or an earlier one: state["error"] says why, printed once
+        per case and kept on its rows (`note_compiled`); the run goes on without the column."""
+        if "error" in state:
+            return None
+        t0 = perf_counter()
+        try:
+            call = compile_call()
+        except Exception as exc:   # inductor fails in many ways (compiler, platform, lowering)
+            state["error"] = first_line(exc)
+            self.echo(f"NOTE: torch-compiled skipped on {where}: {state['error']}")
+            return None
+        state["compile_s"] = perf_counter() - t0
+        return self.fair_torch(call, holder, "torch-compiled")
+
+    @staticmethod
+    def note_compiled(rows, state):
+        """The rows' compile time (one compilation for all bodies' rows), or why the case's
+        compilation failed."""
+        compile_s = state.pop("compile_s", None)
+        for row in rows:
+            row.torch_compiled_compile_s = compile_s
+            if "error" in state:
+                row.torch_compiled_error = state["error"]
+                row.notes.append(f"torch-compiled failed: {state['error'].split(':')[0]}")
+
     # -- the backward --------------------------------------------------------------------------
 
     def run_backward_case(self, problem, layout, arrays, formula, probe_bufs):
@@ -397,7 +495,7 @@ class Runner:
         tr = self.case_traffic(problem, layout, formula, x.dtype.itemsize, probe_bufs)
 
         views = None
-        if self.peers & {"torch", "torch-alloc"}:
+        if self.peers & TORCH_COLUMNS:
             views = torch_inputs([x, dy] + ([arrays["y"]] if relu_dst is not None else []),
                                  layout)
         relu_y = views[2] if views is not None and relu_dst is not None else None
@@ -409,6 +507,11 @@ class Runner:
             grad_bufs = {who: torch.empty_like(views[1]) for who in ("torch", "unfused")}
         buf_layout = {who: (b.data_ptr(), b.stride()) for who, b in grad_bufs.items()}
         onednn_state = {}      # what one build found, for the next thread counts
+        compiled_state = {}    # a failed compilation, for the next thread counts, or its time
+        compile_call = None
+        if "torch-compiled" in self.peers:
+            compile_call = lambda: torch_compiled_call(  # noqa: E731
+                views[0], views[1], problem, k, Y=relu_y)
 
         for nthreads in self.threads:
             fns = {}
@@ -440,8 +543,10 @@ class Runner:
                 fns["reference"] = lambda: self.reference(
                     x, grad, mean, var, gamma, epsilon=EPSILON, data_format=data_format,
                     num_outputs=k)
-            times, onednn_call = self.timed(fns, nthreads, known, tr["dx_bytes"], lambda: (
-                self.onednn_build(problem, layout, arrays, formula, onednn_state)))
+            times, onednn_call = self.timed(
+                fns, nthreads, known, tr["dx_bytes"],
+                lambda: self.onednn_build(problem, layout, arrays, formula, onednn_state),
+                self.compiled_builder(compile_call, compiled_state, holder, where), where)
             for who, (ptr, strides) in buf_layout.items():
                 buf = grad_bufs[who]
                 if (buf.data_ptr(), buf.stride()) != (ptr, strides):
@@ -451,6 +556,8 @@ class Runner:
             rows = self.case_rows(problem, layout, formula, nthreads, tr, times, onednn_state,
                                   outs, lambda row, name: self.check_row(
                                       row, outs[name], ref, scales, problem, gaps[name]))
+            if compile_call is not None:
+                self.note_compiled(rows, compiled_state)
             self.check_peers(rows, holder, onednn_call, onednn_state, ref, scales, problem,
                              layout, k, where, outs)
             self.publish(rows, onednn_call)
@@ -473,17 +580,18 @@ class Runner:
 
     def count_row(self, row, times, dx_bytes):
         """The row's page faults per timed call, how its torch column got its outputs, and a
-        note when the torch call faulted on more than TORCH_FAULT_NOTE of the pages of its dx
-        (or y: dense, `dx_bytes`)."""
+        note when a torch call of reused blocks (torch, torch-compiled) faulted on more than
+        TORCH_FAULT_NOTE of the pages of its dx (or y: dense, `dx_bytes`)."""
         row.faults_per_call = {name: t["per_call"]["faults"] for name, t in times.items()
                                if t.get("per_call")}
         if "torch" in times:
             row.torch_peer = self.torch_peer(row.formula)
             per_call = times["torch"].get("per_call") or {}
             row.torch_new_blocks_per_call = per_call.get("torch_new_blocks")
-            faults = row.faults_per_call.get("torch")
+        for name in REUSED_BLOCKS:
+            faults = row.faults_per_call.get(name)
             if faults is not None and faults >= 1 and faults > TORCH_FAULT_NOTE * dx_bytes / 4096:
-                row.notes.append(f"torch faults {faults:.0f}/call")
+                row.notes.append(f"{name} faults {faults:.0f}/call")
 
     # -- peers ---------------------------------------------------------------------------------
 
@@ -548,7 +656,7 @@ class Runner:
         """The backward peers' results against the reference (judge_peers)."""
         x = next(iter(outs.values()))[0]
         found = {}
-        for name in ("torch", "torch-alloc"):
+        for name in ("torch", "torch-alloc", "torch-compiled"):
             if name in holder:
                 found[name] = errors(torch_result(holder.pop(name), x, layout, k), ref,
                                      scales, problem, k)
@@ -608,13 +716,17 @@ class Runner:
             outs[name] = (dst,) + tuple(np.zeros(C, np.float32) for _ in range(4))
         tr = self.case_traffic(problem, layout, formula, x.dtype.itemsize, probe_bufs)
 
-        X = torch_inputs([x], layout)[0] if self.peers & {"torch", "torch-alloc"} else None
+        X = torch_inputs([x], layout)[0] if self.peers & TORCH_COLUMNS else None
         unfused_out = unfused_dst = None
         if relu and "torch" in self.peers:   # our forward without ReLU, then torch.relu_
             unfused_out = ((arrange(np.zeros(problem["shape"], x.dtype), layout, np.nan)[0],)
                            + tuple(np.zeros(C, np.float32) for _ in range(4)))
             unfused_dst = torch_inputs([unfused_out[0]], layout)[0]   # a view, no copy
         onednn_state = {}
+        compiled_state = {}
+        compile_call = None
+        if "torch-compiled" in self.peers:
+            compile_call = lambda: torch_compiled_forward_call(X, problem, relu)  # noqa: E731
 
         for nthreads in self.threads:
             fns = {}
@@ -643,14 +755,18 @@ class Runner:
             if "reference" in self.peers:
                 fns["reference"] = lambda: reference_forward(x, run_mean, run_var, gamma, beta,
                                                              fuse_relu=relu, **kw)
-            times, onednn_call = self.timed(fns, nthreads, known, tr["dx_bytes"], lambda: (
-                self.onednn_forward_build(problem, layout, arrays, relu, onednn_state)))
+            times, onednn_call = self.timed(
+                fns, nthreads, known, tr["dx_bytes"],
+                lambda: self.onednn_forward_build(problem, layout, arrays, relu, onednn_state),
+                self.compiled_builder(compile_call, compiled_state, holder, where), where)
 
             rows = self.case_rows(problem, layout, formula, nthreads, tr, times, onednn_state,
                                   outs, lambda row, name: self.check_forward_row(
                                       row, outs[name], ref, scales, gaps[name]))
+            if compile_call is not None:
+                self.note_compiled(rows, compiled_state)
             found = {}
-            for name in ("torch", "torch-alloc"):
+            for name in ("torch", "torch-alloc", "torch-compiled"):
                 if name in holder:
                     found[name] = forward_errors(torch_forward_result(holder.pop(name), x,
                                                                       layout), ref, scales)
@@ -696,7 +812,7 @@ class Runner:
             gbs=model_bytes / ours / 1e9, probe_ms=probe * 1e3,
             probe_gbs=model_bytes / probe / 1e9, roofline_pct=100 * probe / ours,
             probe_threads_ms=probe_n * 1e3, load1=os.getloadavg()[0])
-        for peer in ("torch", "torch-alloc", "numpy", "onednn", "unfused"):
+        for peer in ("torch", "torch-alloc", "torch-compiled", "numpy", "onednn", "unfused"):
             if peer in times:
                 setattr(row, f"{peer.replace('-', '_')}_ms", times[peer]["median"] * 1e3)
         if "reference" in times:
@@ -710,8 +826,8 @@ class Runner:
             row.notes.append(f"reduce {row.split['reduce_roofline_pct']:.0f}% "
                              f"apply {row.split['apply_roofline_pct']:.0f}%")
         for peer, attr in (("torch", "torch_ms"), ("torch_alloc", "torch_alloc_ms"),
-                           ("numpy", "numpy_ms"), ("ref", "ref_ms"), ("onednn", "onednn_ms"),
-                           ("unfused", "unfused_ms")):
+                           ("torch_compiled", "torch_compiled_ms"), ("numpy", "numpy_ms"),
+                           ("ref", "ref_ms"), ("onednn", "onednn_ms"), ("unfused", "unfused_ms")):
             value = getattr(row, attr)
             setattr(row, f"vs_{peer}", value / row.ours_ms if value else None)
         return row

@@ -1,8 +1,8 @@
 """Smoke test of the benchmark machinery (bench/): one tiny shape, one call per measurement,
 every layout, dtype and formula (the backward's and the forward's), the peers (oneDNN where
-installed), kernel bodies, the report and the command line, the layer rows; and one shape above
-glibc's 32 MiB mmap ceiling, where the page faults of each timed call show which peers
-allocate.  No timing assertions."""
+installed, torch.compile's where it compiles), kernel bodies, the report and the command line,
+the layer rows; and one shape above glibc's 32 MiB mmap ceiling, where the page faults of each
+timed call show which peers allocate.  No timing assertions."""
 import importlib.util
 import json
 import os
@@ -377,6 +377,63 @@ def test_fair_torch_peer_takes_no_new_pages_where_allocating_torch_does(probe):
     start = procmem.minor_faults()
     call()
     assert procmem.minor_faults() - start >= 1, "the .out overload no longer allocates: use it"
+
+
+# ---- the compiled torch peer -----------------------------------------------------------------
+
+def skip_without_compile():
+    why = peers.compile_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+def test_compiled_torch_peer_is_timed_and_checked_when_asked_for(probe):
+    """--peers torch-compiled: torch.compile of the torch column's ops, backward and forward,
+    on a channels-last tiny case, compiled before the timing and checked like the other
+    peers; not in the default list (a compilation per case and thread count)."""
+    skip_without_compile()
+    assert "torch-compiled" in runner.ALL_PEERS and "torch-compiled" not in runner.PEERS
+    run = runner.Runner(ONE_CALL, threads=[1], dtypes=["f32"], layouts=["NXC"],
+                        formulas=["training", "forward"], peers=("torch", "torch-compiled"),
+                        probe=probe, **quiet)
+    found = run.run_shapes(ODD)
+    failed = [r.torch_compiled_error for r in found if r.torch_compiled_error]
+    if failed:          # e.g. no C++ compiler for inductor: noted on the rows, the run went on
+        assert all(r.check == "pass" and r.torch_compiled_ms is None for r in found)
+        pytest.skip(f"torch.compile failed here: {failed[0]}")
+    for row in found:
+        assert row.check == "pass" and row.torch_compiled_compile_s > 0
+        assert row.vs_torch_compiled == pytest.approx(row.torch_compiled_ms / row.ours_ms)
+        assert worst(row.torch_compiled_err) <= checks.SEMANTICS_LIMIT
+        assert "torch-compiled" in row.faults_per_call
+    assert found[1].torch_compiled_err[1:3] == [None, None]     # forward: no running stats
+    assert "torch-compiled" in run.torch_peer_info()
+    # its column sits under its header
+    at = run.table.header.index("xtorch-compiled")
+    row = replace(found[0], vs_torch_compiled=12.5)
+    assert run.table.row(row)[at:at + len("xtorch-compiled")].strip() == "12.50"
+
+
+def test_a_failed_compilation_is_noted_once_per_case_and_the_run_goes_on(probe, monkeypatch):
+    skip_without_compile()
+    tried = []
+
+    def fails(graph, args):
+        tried.append(graph)
+        raise RuntimeError("inductor could not build its kernel\n(the compiler's output)")
+
+    monkeypatch.setattr(peers, "compiled_now", fails)
+    printed = []
+    run = runner.Runner(ONE_CALL, threads=[1, 2], dtypes=["f32"], layouts=["NCX"],
+                        formulas=["training"], peers=("torch-compiled",), probe=probe,
+                        echo=printed.append)
+    found = run.run_shapes(TINY)
+    assert len(tried) == 1                  # not again for the second thread count
+    assert sum(line.startswith("NOTE: torch-compiled skipped") for line in printed) == 1
+    for row in found:
+        assert row.check == "pass" and row.torch_compiled_ms is None
+        assert row.torch_compiled_error == "RuntimeError: inductor could not build its kernel"
+        assert "torch-compiled failed: RuntimeError" in row.notes
 
 
 # ---- the forward rows -----------------------------------------------------------------------
