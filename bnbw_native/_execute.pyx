@@ -35,8 +35,8 @@ from bnbw_native._plan cimport plan_scratch, copy_strided
 from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_recentre,
                                     running_statistic)
 from bnbw_native._schedules cimport (
-    Schedule, SCHED_NOTHING, SCHED_LAST_SPLIT, SCHED_MAJOR_SWEEP, SCHED_MAJOR_SWEEP_FUSED,
-    SCHED_MAJOR_CHANNEL_FUSED, TILE, COMBINE_CHUNK)
+    Schedule, SCHED_NOTHING, SCHED_LAST_SPLIT, SCHED_LAST_SLAB, SCHED_MAJOR_SWEEP,
+    SCHED_MAJOR_SWEEP_FUSED, SCHED_MAJOR_CHANNEL_FUSED, TILE, COMBINE_CHUNK)
 
 
 cdef extern from *:
@@ -519,18 +519,21 @@ cdef inline double *block_sums(const Work *w, int64_t b) noexcept nogil:
     return w.partial + b * w.p.partial_stride
 
 
-cdef void _last_item(const Work *w, int64_t i) noexcept nogil:
-    cdef const Plan *p = w.p
+cdef void _group_block(const Work *w, int64_t b, int64_t g, int what) noexcept nogil:
+    """Block b of channel group g (the schedule's group channels from g * group on), in
+    either layout."""
     cdef double *sums = NULL
-    if w.what & OP_REDUCE:
-        sums = block_sums(w, i // w.s.ngroups)
-    last_block(w, i // w.s.ngroups, i % w.s.ngroups, w.what, sums,
-               sums + p.channels if sums != NULL else NULL)
+    if w.p.channel_last:
+        if what & OP_REDUCE:
+            sums = block_sums(w, b)
+        last_block(w, b, g, what, sums, sums + w.p.channels if sums != NULL else NULL)
+    else:
+        sweep_block(w, b, g * w.s.group, imin(w.p.channels, (g + 1) * w.s.group), what)
 
 
-cdef void _sweep_item(const Work *w, int64_t i) noexcept nogil:
-    sweep_block(w, i // w.s.ngroups, (i % w.s.ngroups) * w.s.group,
-                imin(w.p.channels, (i % w.s.ngroups + 1) * w.s.group), w.what)
+cdef void _group_item(const Work *w, int64_t i) noexcept nogil:
+    """LAST_SPLIT and MAJOR_SWEEP: item i is block i // ngroups of group i % ngroups."""
+    _group_block(w, i // w.s.ngroups, i % w.s.ngroups, w.what)
 
 
 cdef void _major_item(const Work *w, int64_t i) noexcept nogil:
@@ -591,25 +594,25 @@ cdef void _combine_item(const Work *w, int64_t i) noexcept nogil:
 
 
 cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
-    """MAJOR_SWEEP_FUSED: reduce channels [c_lo, c_hi) in memory order, finish their sums and
-    coefficients, then apply them while their rows are still cached."""
+    """MAJOR_SWEEP_FUSED and LAST_SLAB: reduce channel group g over every block, finish its
+    sums and coefficients, then apply them while its x and dy are still cached."""
     cdef const Plan *p = w.p
     cdef int64_t b, c
     cdef int64_t c_lo = g * w.s.group
     cdef int64_t c_hi = imin(p.channels, c_lo + w.s.group)
     cdef bint again = False
     for b in range(p.nblocks):
-        sweep_block(w, b, c_lo, c_hi, OP_REDUCE)
+        _group_block(w, b, g, OP_REDUCE)
     _combine(w, c_lo, c_hi)
     for c in range(c_lo, c_hi):
         again = not _settled(w, c) or again
     if again:          # settled channels sum the same terms again: the same bits
         for b in range(p.nblocks):
-            sweep_block(w, b, c_lo, c_hi, OP_REDUCE)
+            _group_block(w, b, g, OP_REDUCE)
         _combine(w, c_lo, c_hi)
     w.f.constants(w, c_lo, c_hi)
     for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
-        sweep_block(w, b, c_lo, c_hi, OP_DX)
+        _group_block(w, b, g, OP_DX)
 
 
 cdef void _fused_channel_item(const Work *w, int64_t c) noexcept nogil:
@@ -645,10 +648,8 @@ cdef void _nthreads_one_combine(const Work *w) noexcept nogil:
 cdef void _pass(Work *w, int what) noexcept nogil:
     """One pass of a split schedule over every block of the plan."""
     w.what = what
-    if w.s.kind == SCHED_LAST_SPLIT:
-        run_items(w, _last_item, w.s.items)
-    elif w.s.kind == SCHED_MAJOR_SWEEP:
-        run_items(w, _sweep_item, w.s.items)
+    if w.s.kind == SCHED_LAST_SPLIT or w.s.kind == SCHED_MAJOR_SWEEP:
+        run_items(w, _group_item, w.s.items)
     else:
         run_items(w, _major_item, w.s.items)
 
@@ -749,7 +750,7 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
         # frozen statistics, or given sums: the constants are known before any pass
         w.f.constants(&w, 0, C)
 
-    if s.kind == SCHED_MAJOR_SWEEP_FUSED:
+    if s.kind == SCHED_MAJOR_SWEEP_FUSED or s.kind == SCHED_LAST_SLAB:
         run_items(&w, _fused_group_item, s.items)
     elif s.kind == SCHED_MAJOR_CHANNEL_FUSED:
         run_items(&w, _fused_channel_item, s.items)

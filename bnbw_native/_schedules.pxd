@@ -14,6 +14,7 @@ cdef enum ScheduleKind:
     SCHED_MAJOR_BLOCKS = 3
     SCHED_MAJOR_SWEEP_FUSED = 4
     SCHED_MAJOR_CHANNEL_FUSED = 5
+    SCHED_LAST_SLAB = 6
 
 ctypedef struct Schedule:
     # Everything execute() needs to know beyond the plan: chosen once per call by

@@ -13,6 +13,10 @@ and on how many threads, never changes a bit.
                          then an apply pass.  Slices are whole 128-byte lines of a row, as wide
                          as leaves about four items per thread.  Frozen statistics write dx in
                          the reduce pass.
+    LAST_SLAB            channel-last training (and the forward), one row block, or one thread
+                         whose x and dy fit its L2: one item is a slab, a slice of whole lines
+                         of every row, that it reduces block by block, combines and applies
+                         while still cached, all in one parallel region (_slab).
     MAJOR_SWEEP          channel-major, rows no longer than a block.  Items are (block, group
                          of adjacent channels), visited in memory order: NCX rows of one n and
                          consecutive channels are adjacent, where a channel at a time would
@@ -110,7 +114,7 @@ cdef int64_t cache_share(int nthreads) noexcept nogil:
     return cache_l2_bytes + cache_l3_bytes // sharers
 
 SCHEDULE_NAMES = {0: "nothing", 1: "last-split", 2: "major-sweep", 3: "major-blocks",
-                  4: "major-sweep-fused", 5: "major-channel-fused"}
+                  4: "major-sweep-fused", 5: "major-channel-fused", 6: "last-slab"}
 TILE_ELEMENTS = TILE
 
 
@@ -136,6 +140,32 @@ cdef bint _balanced(int64_t items, int nt) noexcept nogil:
     return items >= nt and 8 * ((items + nt - 1) // nt) * nt <= 9 * items
 
 
+cdef bint _slab(const Plan *p, Schedule *s) noexcept nogil:
+    """LAST_SLAB where it reads nothing the split would not: a call of one row block, whose
+    rows the split cuts between threads alike (slabs then spare it two parallel regions), or
+    a call on one thread whose x and dy fit its L2 (one slab, applied newest block first,
+    from the L2).  A slab cutting rows of several blocks between threads reads strided
+    pieces where the split streams whole rows: measured up to 2x slower.  False leaves `s`
+    to the split."""
+    cdef int64_t C = p.channels, isz = itemsize(p.big_dtype)
+    cdef int64_t line = LINE // isz, width
+    cdef int nt = s.nthreads
+    if p.nblocks > 1 and not (nt == 1 and 2 * isz * C * p.count <= cache_l2_bytes):
+        return False
+    width = imin(TILE, ((C + nt - 1) // nt + line - 1) // line * line)
+    while width > line and not _balanced((C + width - 1) // width, nt):
+        width -= line
+    if width >= C:
+        width = C
+    if not _balanced((C + width - 1) // width, nt):
+        return False
+    s.kind = SCHED_LAST_SLAB
+    s.group = width
+    s.ngroups = (C + width - 1) // width
+    s.items = s.ngroups
+    return True
+
+
 cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
     """LAST_SPLIT with slices of whole lines leaving about ITEMS_PER_THREAD balanced items per
     thread.  The row blocks are the plan's: the slice width never changes a sum (each channel
@@ -153,6 +183,8 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
     if thread_work_floor > 0 and p.nblocks == 1 and nt * ROW_SHARE > C * isz:
         nt = <int> max(C * isz // ROW_SHARE, 1)
         s.nthreads = nt
+    if sums and op & OP_DX and applies_after_sums(op) and _slab(p, s):
+        return
     width = imin(C, TILE)
     if nt > 1 and p.nblocks * ((C + width - 1) // width) < ITEMS_PER_THREAD * nt:
         width = (C * p.nblocks + ITEMS_PER_THREAD * nt - 1) // (ITEMS_PER_THREAD * nt)

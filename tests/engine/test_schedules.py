@@ -21,7 +21,7 @@ from conftest import BF16
 
 NO_CACHE = (1 << 10, 1 << 12, 64)          # nothing fits: split schedules everywhere
 SMALL_CACHE = (1 << 20, 32 << 20, 16)
-LARGE_CACHE = (8 << 20, 1 << 30, 2)        # everything fits: large fused groups
+LARGE_CACHE = (16 << 20, 1 << 30, 2)       # everything fits: large fused groups, slabs
 MODELS = [NO_CACHE, SMALL_CACHE, LARGE_CACHE]
 THREADS = [1, 2, 3, 7]                     # 7: more threads than this machine's cores
 
@@ -33,6 +33,7 @@ CASES = [  # shape, data_format
     ((16, 10, 10, 1024), "NXC"),           # slices narrower than a row on many threads
     ((16, 48, 9, 9), "NCX"),
     ((2, 6, 5000), "NCX"),                 # rows longer than a kernel call's piece
+    ((3, 4100), "NXC"),                    # one row block, slabs on both sides of TILE
 ]
 
 
@@ -75,15 +76,19 @@ def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, d
 
     cache_model(*NO_CACHE)
     want = run(1)
-    schedules = set()
+    schedules, blocks = set(), 0
     for model in MODELS:
         cache_model(*model)
         for threads in THREADS:
             assert run(threads) == want, (model, threads)
-            schedules.add(_arrays.describe(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, 1e-5,
-                                         data_format, threads)["schedule"])
+            facts = _arrays.describe(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, 1e-5,
+                                     data_format, threads)
+            schedules.add(facts["schedule"])
+            blocks = facts["blocks"]
     if data_format == "NCX":
         assert "major-sweep-fused" in schedules         # fused groups of several sizes met
+    else:            # slabs against the split, which a call of one row block never takes
+        assert "last-slab" in schedules and ("last-split" in schedules or blocks == 1)
 
 
 @pytest.mark.parametrize("threads", [8, 16, 64])
@@ -119,6 +124,11 @@ def describe(x, data_format, formula=_arrays.TRAINING, num_threads=1, **kw):
 @pytest.mark.parametrize("shape, data_format, threads, formula, cache, schedule", [
     ((32, 14, 14, 64), "NXC", 2, _arrays.TRAINING, SMALL_CACHE, "last-split"),
     ((32, 14, 14, 64), "NXC", 2, _arrays.FROZEN_DX, SMALL_CACHE, "last-split"),
+    ((32, 2, 2, 512), "NXC", 2, _arrays.TRAINING, SMALL_CACHE, "last-slab"),    # one row block
+    ((32, 2, 2, 512), "NXC", 2, _arrays.FROZEN_DX, SMALL_CACHE, "last-split"),
+    ((64, 7, 7, 96), "NXC", 1, _arrays.TRAINING, LARGE_CACHE, "last-slab"),     # fits the L2
+    ((64, 7, 7, 96), "NXC", 1, _arrays.TRAINING, NO_CACHE, "last-split"),
+    ((64, 7, 7, 96), "NXC", 2, _arrays.TRAINING, LARGE_CACHE, "last-split"),    # 4 blocks
     ((32, 64, 14, 14), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-sweep-fused"),
     ((1, 4, 70000), "NCX", 2, _arrays.TRAINING, SMALL_CACHE, "major-channel-fused"),
     ((32, 64, 14, 14), "NCX", 2, _arrays.FROZEN_DX, SMALL_CACHE, "major-sweep"),

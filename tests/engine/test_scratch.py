@@ -143,7 +143,7 @@ def test_forward_statistics_on_every_schedule_around_block_boundaries(rng, case,
 
 
 def test_the_cases_reach_every_schedule():
-    """The forward's cases above run on all four schedules that sum (and the backward's below
+    """The forward's cases above run on all six schedules that sum (and the backward's below
     on the split ones): nothing is left to chance in the cache model or thread count."""
     seen = set()
     for case in CASES:
@@ -152,8 +152,8 @@ def test_the_cases_reach_every_schedule():
             tuning.set_cache_model(*model)
             for threads in (1, 2, 3):
                 seen.add(_schedule(x, case[2], threads))
-    assert seen == {"last-split", "major-sweep", "major-blocks", "major-sweep-fused",
-                    "major-channel-fused"}
+    assert seen == {"last-split", "last-slab", "major-sweep", "major-blocks",
+                    "major-sweep-fused", "major-channel-fused"}
 
 
 def test_a_far_first_element_on_many_row_blocks():
