@@ -255,10 +255,25 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
                           input_grad)
 
 
+def _in_layout_of(x, grad_y):
+    """grad_y, copied into x's layout when x is dense and grad_y is laid out otherwise.  The
+    kernels visit x and dy in one order, so a gradient in another layout (the one an average
+    pool hands back to a channels-last model) would be read strided in both passes: measured
+    4-6x slower than this one copy (docs/benchmark-history.md, 5d)."""
+    if grad_y.shape != x.shape or all(a == b or n == 1 for a, b, n
+                                      in zip(grad_y.stride(), x.stride(), x.shape)):
+        return grad_y
+    if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+            or x.is_contiguous(memory_format=torch.channels_last_3d)):
+        return grad_y
+    return torch.empty_like(x, dtype=grad_y.dtype).copy_(grad_y)
+
+
 def _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
                    residual_grad=None):
     """backward_impl; with residual_grad (a tensor like grad_y; no group) the masked gradient
     - the gradient of a residual added before the ReLU - is written there too."""
+    grad_y = _in_layout_of(x, grad_y)
     channels = x.shape[1]
     gamma = _f32(weight)
     nt = threads(num_threads)
@@ -410,6 +425,7 @@ class EagerLayerStep(torch.autograd.Function):
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         if not (need_x or need_w or need_b or need_r):
             return (None,) * 6
+        grad_y = _in_layout_of(x, grad_y)
         d_res = torch.empty_like(grad_y)
         dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, *ctx.stats, y, ctx.eps, "",
                                            ctx.num_threads, need_x, d_res)

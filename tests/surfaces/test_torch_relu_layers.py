@@ -560,3 +560,36 @@ def test_the_add_layer_adds_a_broadcast_residual_as_written():
     layer.eval()
     plain.eval()
     assert torch.equal(layer(x, r), torch.relu(plain(x) + r))
+
+
+@pytest.mark.parametrize("layer_type", ["BatchNorm", "BatchNormReLU", "BatchNormAddReLU"])
+@pytest.mark.parametrize("x_format, grad_format", [
+    (torch.channels_last, torch.contiguous_format),     # what an average pool hands back
+    (torch.contiguous_format, torch.channels_last)])
+def test_a_gradient_in_another_layout_gives_the_bits_of_one_in_xs(monkeypatch, layer_type,
+                                                                   x_format, grad_format):
+    # the kernel reads a gradient laid out unlike x after one copy into x's layout (else it
+    # would read it strided in both passes), with the bits of the gradient handed over in x's
+    # layout (dx, the parameters', the residual's)
+    strides = []
+    native = ops.backward
+
+    def spy(conv, formula, x, dy, *args, **kw):
+        strides.append((x.stride(), dy.stride()))
+        return native(conv, formula, x, dy, *args, **kw)
+
+    monkeypatch.setattr(ops, "backward", spy)
+    x, g = data((8, 5, 16, 16), seed=31, memory_format=x_format)
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(32))
+    results = []
+    for layout in (x_format, grad_format):
+        layer = getattr(bag, layer_type)(5)
+        xs = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+        rs = r.clone().requires_grad_()
+        y = layer(xs, rs) if layer_type == "BatchNormAddReLU" else layer(xs)
+        y.backward(g.contiguous(memory_format=layout))
+        grads = [xs.grad, layer.weight.grad, layer.bias.grad]
+        results.append(grads + ([rs.grad] if layer_type == "BatchNormAddReLU" else []))
+    assert len(strides) == 2 and all(xs == dys for xs, dys in strides)
+    for a, b in zip(*results):
+        assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
