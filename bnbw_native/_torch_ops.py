@@ -260,8 +260,8 @@ def _in_layout_of(x, grad_y):
     kernels visit x and dy in one order, so a gradient in another layout (the one an average
     pool hands back to a channels-last model) would be read strided in both passes: measured
     4-6x slower than this one copy (docs/benchmark-history.md, 5d)."""
-    if grad_y.shape != x.shape or all(a == b or n == 1 for a, b, n
-                                      in zip(grad_y.stride(), x.stride(), x.shape)):
+    if (grad_y.stride() == x.stride() or grad_y.shape != x.shape
+            or all(a == b or n == 1 for a, b, n in zip(grad_y.stride(), x.stride(), x.shape))):
         return grad_y
     if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
             or x.is_contiguous(memory_format=torch.channels_last_3d)):
@@ -425,8 +425,7 @@ class EagerLayerStep(torch.autograd.Function):
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         if not (need_x or need_w or need_b or need_r):
             return (None,) * 6
-        grad_y = _in_layout_of(x, grad_y)
-        d_res = torch.empty_like(grad_y)
+        d_res = torch.empty_like(x, dtype=grad_y.dtype)     # the layout _backward_pass reads
         dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, *ctx.stats, y, ctx.eps, "",
                                            ctx.num_threads, need_x, d_res)
         return ((dx if need_x else None, *_param_grads(ctx, dgamma if need_w else None,
