@@ -75,4 +75,5 @@ def forward(
     count: Any = None,
     torch_running: bool = False,
     tensors: bool = False,
+    residual: Any = None,
 ) -> Any: ...

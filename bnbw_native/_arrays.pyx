@@ -21,7 +21,7 @@ from bnbw_native._vocabulary cimport (
     Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
     S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, S_RUN_MEAN,
     S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS, OP_EXACT_SUMS,
-    OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_DX, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
+    OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_ADD_RESIDUAL, OP_DX, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
     DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS, DO_PARAMS_FROM_SUMS)
 from bnbw_native._headers cimport bnbw_status, BNBW_OK
 from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Momentum, Convention,
@@ -241,7 +241,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     c.axis = 0
     if r.family == FAMILY_ARRAYS:
         c.axis = 1 if data_format == "NCX" else a[S_X].ndim - 1
-    if not (op & OP_FORWARD):
+    if not (op & OP_FORWARD) or op & OP_ADD_RESIDUAL:
         _input(dy, &a[S_DY], conv, S_DY, keep, tensors)
     M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep, tensors)
     if var is not None or not reduce_only:
@@ -422,16 +422,23 @@ def describe(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None
 def forward(Convention conv, src, mean, variance, gamma, beta, epsilon, momentum,
             data_format="NXC", bint relu=False, out=None, num_threads=None, *,
             int formula=DO_FORWARD, partial=None, count=None, bint torch_running=False,
-            bint tensors=False):
+            bint tensors=False, residual=None):
     """Check and run one training forward of `conv`.  Returns (y, running_mean,
     running_variance, batch_mean, batch_variance); FORWARD_REDUCE: the sums around `mean` (a
     shift) and the local count; FORWARD_APPLY: the outputs from the given sums and count.
     torch_running: the running statistics as PyTorch keeps them (momentum weighs the batch,
-    the variance unbiased); tensors: as for `backward`."""
+    the variance unbiased); tensors: as for `backward`.  residual (FORWARD with relu; src's
+    shape, type and strides): y = max(bn(src) rounded to its type + residual, 0), in the pass
+    that writes y."""
     cdef Arg a[N_ROLES]
     cdef Call c
     c.op = formula | (OP_RELU if relu else 0) | (OP_TORCH_RUNNING if torch_running else 0)
-    results, keep = _prepare(conv, &c, a, src, None, mean, variance, gamma, epsilon,
+    if residual is not None:
+        if formula != DO_FORWARD or not relu:
+            raise ValueError("a residual is added before the ReLU of a one-phase forward: "
+                             "it needs relu=True and the FORWARD formula")
+        c.op |= OP_ADD_RESIDUAL
+    results, keep = _prepare(conv, &c, a, src, residual, mean, variance, gamma, epsilon,
                              data_format, out, num_threads, beta, None, None, partial, count,
                              momentum, tensors)
     try:

@@ -27,10 +27,12 @@ from cython.parallel cimport prange
 from bnbw_native._vocabulary cimport (
     Plan, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
     S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING,
-    OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, SERIAL_BELOW,
+    OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_ADD_RESIDUAL,
+    SERIAL_BELOW,
     itemsize, imin, chan_origin, f32_channels, row_origin, load_stat, store_stat,
     applies_after_sums)
-from bnbw_native._headers cimport bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK
+from bnbw_native._headers cimport (bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK,
+                                   BNBW_RELU, BNBW_ADD_RELU)
 from bnbw_native._plan cimport plan_scratch, copy_strided
 from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_recentre,
                                     running_statistic)
@@ -125,7 +127,7 @@ cdef struct Work:
     unsigned char *again  # [C] the forward: channels whose sums are taken again
     int op
     int what              # this pass: OP_REDUCE and/or OP_DX
-    int relu              # the forward's y through a ReLU
+    int relu              # the forward's y through a ReLU: 0, BNBW_RELU or BNBW_ADD_RELU
     double eps
     double count
     double *sums          # [C][2]: Sum dy, Sum (x - mean) dy; the forward's Sum d, Sum d^2
@@ -669,7 +671,7 @@ cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, c
     cdef char *temp[N_BIG]
     cdef int t, rc = 0
     memcpy(slots, ptr, N_SLOTS * sizeof(char *))
-    if op & OP_FORWARD:
+    if op & OP_FORWARD and not (op & OP_ADD_RESIDUAL):
         slots[S_DY] = slots[S_X]     # it reads x only, planned in dy's place (layout_of)
     for t in range(N_BIG):
         temp[t] = NULL             # all of them first: a failed allocation frees the ones before
@@ -734,7 +736,8 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
     w.k2 = stats + 2 * C
     w.k3 = w.b = stats + 3 * C
     w.op = op
-    w.relu = (op & OP_RELU) != 0
+    w.relu = (BNBW_ADD_RELU if op & OP_ADD_RESIDUAL else
+              BNBW_RELU if op & OP_RELU else 0)
     w.eps = eps
     w.count = count
     w.sums = sums

@@ -31,6 +31,8 @@ cdef extern from "bnbw_kernels.h" nogil:
         BNBW_BF16
         BNBW_BOOL
         BNBW_NO_MASK
+        BNBW_RELU
+        BNBW_ADD_RELU
         BNBW_EXACT_SUMS
         BNBW_BLOCKS
         BNBW_BLOCKS_EVEN_ODD

@@ -11,9 +11,11 @@ GRAPH = Convention(dict(x="src", dy="diff_dst", mean="mean", var="variance", sca
                         relu_dst="relu_dst", diff_residual="diff_residual"))
 
 
-FORWARD = Convention(dict(x="src", mean="mean", var="variance", scale="gamma", beta="beta",
-                          dx="dst", run_mean="running_mean", run_var="running_variance",
-                          batch_mean="batch_mean", batch_var="batch_variance"))
+# (residual: the torch layers' BatchNormAddReLU only, in dy's slot)
+FORWARD = Convention(dict(x="src", dy="residual", mean="mean", var="variance", scale="gamma",
+                          beta="beta", dx="dst", run_mean="running_mean",
+                          run_var="running_variance", batch_mean="batch_mean",
+                          batch_var="batch_variance"))
 
 
 class ForwardResult(NamedTuple):

@@ -35,10 +35,11 @@ from bnbw_native._overlap cimport may_share, self_overlap, same_view
 from bnbw_native._vocabulary cimport (
     Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
     S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, OP_GIVEN_SUMS,
-    OP_FORWARD, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR)
+    OP_FORWARD, OP_ADD_RESIDUAL, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR)
 from bnbw_native._headers cimport (
     bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_DATA_TYPE,
-    BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_OVERLAP, BNBW_ERROR_EPSILON,
+    BNBW_ERROR_DIMENSION_COUNT, BNBW_ERROR_SIZES, BNBW_ERROR_STRIDES, BNBW_ERROR_OVERLAP,
+    BNBW_ERROR_EPSILON,
     BNBW_ERROR_NUM_THREADS, BNBW_ERROR_ALIGNMENT, BNBW_ERROR_OUT_OF_MEMORY, bnbw_omp_num_procs)
 
 cnp.import_array()
@@ -281,7 +282,7 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
         return rc
     if _check_rank(r, x, msg, cap) != BNBW_OK:
         return BNBW_ERROR_DIMENSION_COUNT
-    if not (op & OP_FORWARD):
+    if not (op & OP_FORWARD) or op & OP_ADD_RESIDUAL:
         rc = _kind(r, dy, S_DY, msg, cap)
         if rc != BNBW_OK:
             return rc
@@ -292,6 +293,13 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
         rc = _same_shape(r, dy, S_DY, x, S_X, msg, cap)
         if rc != BNBW_OK:
             return rc
+    if op & OP_ADD_RESIDUAL:
+        # read in x's visiting order: the plan (and so every sum's rounding) stays x's alone
+        for i in range(x.ndim):
+            if x.shape[i] > 1 and dy.strides[i] != x.strides[i]:
+                snprintf(msg, cap, "%s must be laid out like %s (the same strides)",
+                         r.names[S_DY], r.names[S_X])
+                return BNBW_ERROR_STRIDES
     C = x.shape[axis]
     channels[0] = C
     roles[:] = [S_MEAN, S_VAR, S_SCALE, S_BETA]

@@ -157,10 +157,12 @@ def _f32(p):
 
 # ---- forward -----------------------------------------------------------------------------
 
-def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, updated=None):
+def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, updated=None,
+             residual=None):
     """(y, batch mean, biased batch variance, element count per channel) of a training batch
     norm; with `running` (running_mean, running_var), their update written to `updated` (the
-    same tensors: in place)."""
+    same tensors: in place).  residual (relu, no group; x's shape, type and strides):
+    y = max(bn(x) + residual, 0) in the pass that writes y."""
     channels = x.shape[1]
     nt = threads(num_threads)
     if group:
@@ -176,7 +178,7 @@ def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, up
         old = np.zeros(channels, np.float32)
         running, updated = (old, old), (np.empty_like(old), np.empty_like(old))
     forward(FORWARD, x, *running, _f32(weight), _f32(bias), eps, factor, "NCX", relu,
-            (y, *updated, mean, var), nt, torch_running=True, tensors=True)
+            (y, *updated, mean, var), nt, torch_running=True, tensors=True, residual=residual)
     return y, mean, var, count
 
 
@@ -255,13 +257,18 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
                           input_grad)
 
 
+def _laid_out_like(x, t):
+    """Whether t has x's strides on every dim of size > 1 (t of x's shape)."""
+    return t.stride() == x.stride() or all(
+        a == b or n == 1 for a, b, n in zip(t.stride(), x.stride(), x.shape))
+
+
 def _in_layout_of(x, grad_y):
-    """grad_y, copied into x's layout when x is dense and grad_y is laid out otherwise.  The
-    kernels visit x and dy in one order, so a gradient in another layout (the one an average
-    pool hands back to a channels-last model) would be read strided in both passes: measured
-    4-6x slower than this one copy (docs/benchmark-history.md, 5d)."""
-    if (grad_y.stride() == x.stride() or grad_y.shape != x.shape
-            or all(a == b or n == 1 for a, b, n in zip(grad_y.stride(), x.stride(), x.shape))):
+    """grad_y (or a residual), copied into x's layout when x is dense and grad_y is laid out
+    otherwise.  The kernels visit x and dy in one order, so a gradient in another layout (the
+    one an average pool hands back to a channels-last model) would be read strided in both
+    passes: measured 4-6x slower than this one copy (docs/benchmark-history.md, 5d)."""
+    if grad_y.shape != x.shape or _laid_out_like(x, grad_y):
         return grad_y
     if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
             or x.is_contiguous(memory_format=torch.channels_last_3d)):
@@ -396,17 +403,22 @@ class BatchNormTrain(torch.autograd.Function):
 class EagerLayerStep(torch.autograd.Function):
     """batch_norm_train in plain eager mode, without the dispatcher and the custom-op
     wrappers: y is the only output, the statistics stay in the context.  With a residual
-    (relu, no group): y = max(bn(x) + residual, 0), and the backward writes the residual's
-    gradient (the masked one) in the same pass as dx."""
+    (relu, no group): y = max(bn(x) + residual, 0), the add and the ReLU in the pass that
+    writes y (the residual first copied into x's layout if it has another), and the backward
+    writes the residual's gradient (the masked one) in the same pass as dx."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running, options):
         factor, eps, relu, group, num_threads = options       # (few arguments: apply is faster)
+        fused = None if residual is None else _in_layout_of(x, residual)
+        if fused is not None and not _laid_out_like(x, fused):
+            fused = None                  # (x not dense, the residual laid out otherwise)
         y, mean, var, _ = _forward(x, weight, bias, running, factor, eps,
-                                   relu and residual is None, group, num_threads, running)
+                                   relu and (residual is None or fused is not None), group,
+                                   num_threads, running, fused)
         if running is not None and not group:    # written by the kernel, as by torch's op
             torch.autograd.graph.increment_version(running)
-        if residual is not None:
+        if residual is not None and fused is None:
             y.add_(residual).relu_()
         ctx.save_for_backward(x, weight, y if relu else None)
         ctx.stats = (mean, var)

@@ -38,7 +38,7 @@ cdef enum:  # DType
 # an argument that validation checks and the engine never reads.
 cdef enum:  # Slot
     S_X = 0              # x (the forward's src)
-    S_DY = 1             # dy (the forward plans with x here: it reads x only)
+    S_DY = 1             # dy (the forward plans with x here, or its residual)
     S_DX = 2             # the big output: dx, or the forward's y
     S_MASK = 3           # the forward's ReLU output, or its bool mask
     S_DRES = 4           # the gradient of the residual (the masked dy), an output
@@ -71,6 +71,8 @@ cdef enum:  # Op
     OP_RELU = 256        # the forward's y through a ReLU
     OP_TORCH_RUNNING = 512   # the forward's running statistics as PyTorch keeps them: the
                              # momentum weighs the batch, whose variance is unbiased (M / (M-1))
+    OP_ADD_RESIDUAL = 1024   # the forward's y: max(y + residual, 0), the residual in dy's slot
+                             # laid out like x (with OP_RELU; the torch layers' BatchNormAddReLU)
 
 # The public formulas, as the front-ends ask for them.
 cdef enum:  # Formula

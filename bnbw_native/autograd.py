@@ -241,8 +241,10 @@ class BatchNormReLU(BatchNorm):
 class BatchNormAddReLU(BatchNorm):
     """y = max(bn(x) + residual, 0): a batch norm, the residual add after it and the ReLU,
     as a residual block ends (torchvision's `out = bn2(...); out += identity; relu(out)`),
-    in one layer called as layer(x, residual).  Its backward masks the gradient with y and
-    writes the residual's gradient in the same pass as x's.  The parameters, buffers and
+    in one layer called as layer(x, residual).  Its forward adds the residual (in x's type,
+    to y rounded to it) and applies the ReLU in the pass that writes y - a -0 sum gives +0,
+    where torch.relu keeps -0 -; its backward masks the gradient with y and writes the
+    residual's gradient in the same pass as x's.  The parameters, buffers and
     state_dict keys of torch.nn.BatchNorm2d.  A residual that is not x's shape and type
     (broadcast) is added as written, after the batch norm."""
 

@@ -20,7 +20,9 @@
  * rounded once and every sum accumulates in f64 lanes, whatever the storage type.  The
  * normalized output is one fused multiply-add after the f32 subtraction, rounded once more to
  * its storage type; the ReLU keeps y > 0 and NaN and gives +0 elsewhere.  The forward writes
- * its output through the `dx` operand and reads only x.
+ * its output through the `dx` operand and reads only x - and, with a residual added before the
+ * ReLU (BNBW_ADD_RELU), the residual through `dy`: y rounded to its storage type, plus the
+ * residual in f32, then the ReLU and the rounding of the sum, the bits of the three steps.
  *
  * g is the gradient the formulas use: dy, or - with a ReLU mask - dy where the forward's output
  * is > 0 (or the bool mask is set) and +0 elsewhere, selected, never multiplied, so an inf or
@@ -78,6 +80,8 @@ enum { BNBW_F32 = 0, BNBW_F16 = 1, BNBW_BF16 = 2, BNBW_BOOL = 3 };
 /* Bytes per element of x, dy, dx and dres (f32, f16, bf16): the one place it is written. */
 #define BNBW_ITEMSIZE(dt) ((dt) == BNBW_F32 ? 4 : 2)
 #define BNBW_NO_MASK (-1)
+/* The normalize kernels' `relu`: none, max(y, +0), or a residual added to y first. */
+enum { BNBW_NO_RELU = 0, BNBW_RELU = 1, BNBW_ADD_RELU = 2 };
 
 /* The kernels' `sums` argument (see "Blocked sums"). */
 enum { BNBW_EXACT_SUMS = 0, BNBW_BLOCKS = 1, BNBW_BLOCKS_EVEN_ODD = 2 };
@@ -131,7 +135,9 @@ typedef struct bnbw_kernel_table {
     void (*scale_row_run)(const bnbw_io *io, const bnbw_run *run, int64_t n, const float *k1);
     /* the forward: out[0] = Sum (x - shift), out[1] = Sum (x - shift)^2 over the row (assigned) */
     void (*stats_row)(const bnbw_io *io, int64_t n, float shift, double out[2]);
-    /* dx = k*(x - mean) + b, then max(., +0) keeping NaN when relu */
+    /* dx = k*(x - mean) + b, then max(., +0) keeping NaN when relu is BNBW_RELU; with
+     * BNBW_ADD_RELU, max(round(.) + r, +0), r read through dy (a residual added before the
+     * ReLU, in the steps of dy) */
     void (*normalize_row)(const bnbw_io *io, int64_t n, float mean, float k, float b, int relu);
     /* sum[c] += Sum_r (x[r][c] - shift[c]), sum_sq[c] += Sum_r (x[r][c] - shift[c])^2 */
     void (*stats_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,

@@ -633,19 +633,52 @@ BNBW_INLINE vf k__normalize(vf x, vf m, vf k, vf b, int relu)
     return relu ? vf_keep(y, vm_relu(y)) : y;
 }
 
+/* a rounded to the storage type and back (16 lanes, or the first t), in the lane order eo */
+BNBW_INLINE vf k__rounded(vf a, int dt, int eo)
+{
+    uint16_t half[16];
+    if (dt == BNBW_F32)
+        return a;
+    v_store(half, 0, 1, a, dt, eo);
+    return v_load(half, 0, 1, dt, eo);
+}
+BNBW_INLINE vf k__rounded_part(vf a, int64_t t, int dt)
+{
+    uint16_t half[16];
+    if (dt == BNBW_F32)
+        return a;
+    v_store_part(half, 0, t, 1, a, dt);
+    return v_load_part(half, 0, t, 1, dt);
+}
+
+/* BNBW_ADD_RELU: y = max(round(k*(x - mean) + b) + r, 0), r the residual (read through dy):
+ * the batch norm's y rounded to its storage type, the residual added in f32 and the ReLU as
+ * above - what `relu(bn(x) + r)` computes in that type, in one pass. */
+BNBW_INLINE vf k__add_relu(vf y, vf r)
+{
+    vf s = vf_add(y, r);
+    return vf_keep(s, vm_relu(s));
+}
+
 BNBW_INLINE void k_normalize_row(const bnbw_io *io, int64_t n, float mean, float k, float b,
                                  int dt, int relu, int contig)
 {
     const int64_t xs = contig ? 1 : io->x_step, ds = contig ? 1 : io->dx_step;
-    const int eo = K__EO(dt, contig);
+    const int64_t rs = contig ? 1 : io->dy_step;
+    const int eo = K__EO(dt, contig), add = relu == BNBW_ADD_RELU;
     const vf m = vf_set1(mean), kv = vf_set1(k), bv = vf_set1(b);
 #define K__CHUNK(I, T, ST) do {                                                             \
-        if ((T) == 16)                                                                      \
-            k__store16(io->dx, I, ds, k__normalize(v_load(io->x, I, xs, dt, eo), m, kv, bv, \
-                                                   relu), dt, eo, ST);                      \
-        else                                                                                \
-            v_store_part(io->dx, I, T, ds,                                                  \
-                         k__normalize(v_load_part(io->x, I, T, xs, dt), m, kv, bv, relu), dt); \
+        if ((T) == 16) {                                                                    \
+            vf y = k__normalize(v_load(io->x, I, xs, dt, eo), m, kv, bv, relu && !add);     \
+            if (add)                                                                        \
+                y = k__add_relu(k__rounded(y, dt, eo), v_load(io->dy, I, rs, dt, eo));      \
+            k__store16(io->dx, I, ds, y, dt, eo, ST);                                       \
+        } else {                                                                            \
+            vf y = k__normalize(v_load_part(io->x, I, T, xs, dt), m, kv, bv, relu && !add); \
+            if (add)                                                                        \
+                y = k__add_relu(k__rounded_part(y, T, dt), v_load_part(io->dy, I, T, rs, dt)); \
+            v_store_part(io->dx, I, T, ds, y, dt);                                          \
+        }                                                                                   \
     } while (0)
     K__ROW_CHUNKS(n, k__lead(io, n, dt, contig), K__CHUNK);
 #undef K__CHUNK
@@ -699,7 +732,7 @@ BNBW_INLINE void k_normalize_rows(const bnbw_io *io, int64_t rows, int64_t n, co
                                   const float *k, const float *b, int dt, int relu)
 {
     float cm[BNBW_SLICE], ck[BNBW_SLICE], cb[BNBW_SLICE];
-    const int eo = K__EO(dt, 1);
+    const int eo = K__EO(dt, 1), add = relu == BNBW_ADD_RELU;
     const int64_t n16 = n - n % 16, slice = eo ? BNBW_SLICE : n16;
     for (int64_t c0 = 0; c0 < n16; c0 += slice) {     /* one slice unless in lane order */
         const int64_t w = n16 - c0 < slice ? n16 - c0 : slice;
@@ -707,22 +740,28 @@ BNBW_INLINE void k_normalize_rows(const bnbw_io *io, int64_t rows, int64_t n, co
         const float *lk = k__lane_order(k, c0, w, ck, dt);
         const float *lb = k__lane_order(b, c0, w, cb, dt);
         for (int64_t j = 0; j < rows; ++j) {
-            for (int64_t c = 0; c < w; c += 16)
-                v_store(io->dx, j * io->dx_step + c0 + c, 1,
-                        k__normalize(K__LX(j, c0 + c), vf_loadu(lm + c), vf_loadu(lk + c),
-                                     vf_loadu(lb + c), relu),
-                        dt, eo);
+            for (int64_t c = 0; c < w; c += 16) {
+                vf y = k__normalize(K__LX(j, c0 + c), vf_loadu(lm + c), vf_loadu(lk + c),
+                                    vf_loadu(lb + c), relu && !add);
+                if (add)
+                    y = k__add_relu(k__rounded(y, dt, eo),
+                                    v_load(io->dy, j * io->dy_step + c0 + c, 1, dt, eo));
+                v_store(io->dx, j * io->dx_step + c0 + c, 1, y, dt, eo);
+            }
         }
     }
     if (n16 < n) {                 /* the last t < 16 channels */
         const int64_t t = n - n16;
         const vf mv = v_load_part(mean, n16, t, 1, BNBW_F32), kv = v_load_part(k, n16, t, 1, BNBW_F32);
         const vf bv = v_load_part(b, n16, t, 1, BNBW_F32);
-        for (int64_t j = 0; j < rows; ++j)
-            v_store_part(io->dx, j * io->dx_step + n16, t, 1,
-                         k__normalize(v_load_part(io->x, j * io->x_step + n16, t, 1, dt), mv, kv,
-                                      bv, relu),
-                         dt);
+        for (int64_t j = 0; j < rows; ++j) {
+            vf y = k__normalize(v_load_part(io->x, j * io->x_step + n16, t, 1, dt), mv, kv, bv,
+                                relu && !add);
+            if (add)
+                y = k__add_relu(k__rounded_part(y, t, dt),
+                                v_load_part(io->dy, j * io->dy_step + n16, t, 1, dt));
+            v_store_part(io->dx, j * io->dx_step + n16, t, 1, y, dt);
+        }
     }
 }
 
@@ -962,14 +1001,18 @@ static void (*const k_stats_row_variants[2][3])(const bnbw_io *, int64_t, float,
 #define K__NORMALIZE_ROW_ARGS (io, n, mean, k, b, DT, RELU, CONTIG_)
 K__FWD_TYPES(K__DEFINE, k_normalize_row, 0, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
 K__FWD_TYPES(K__DEFINE, k_normalize_row, 1, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+K__FWD_TYPES(K__DEFINE, k_normalize_row, 2, 0, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
 K__FWD_TYPES(K__DEFINE, k_normalize_row, 0, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
 K__FWD_TYPES(K__DEFINE, k_normalize_row, 1, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
-static void (*const k_normalize_row_variants[2][2][3])(const bnbw_io *, int64_t, float, float,
+K__FWD_TYPES(K__DEFINE, k_normalize_row, 2, 1, K__NORMALIZE_ROW_PARAMS, K__NORMALIZE_ROW_ARGS)
+static void (*const k_normalize_row_variants[2][3][3])(const bnbw_io *, int64_t, float, float,
                                                         float) = {
     {{K__FWD_TYPES(K__ENTRY, k_normalize_row, 0, 0, , )},
-     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 1, 0, , )}},
+     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 1, 0, , )},
+     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 2, 0, , )}},
     {{K__FWD_TYPES(K__ENTRY, k_normalize_row, 0, 1, , )},
-     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 1, 1, , )}}};
+     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 1, 1, , )},
+     {K__FWD_TYPES(K__ENTRY, k_normalize_row, 2, 1, , )}}};
 
 K__FWD_TYPES(K__DEFINE, k_stats_rows, 0, 1,
              (const bnbw_io *io_arg, int64_t rows, int64_t n, const float *shift, double *sum,
@@ -985,11 +1028,13 @@ static void (*const k_stats_rows_variants[3])(const bnbw_io *, int64_t, int64_t,
 #define K__NORMALIZE_ROWS_ARGS (io, rows, n, mean, k, b, DT, RELU)
 K__FWD_TYPES(K__DEFINE, k_normalize_rows, 0, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
 K__FWD_TYPES(K__DEFINE, k_normalize_rows, 1, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
-static void (*const k_normalize_rows_variants[2][3])(const bnbw_io *, int64_t, int64_t,
+K__FWD_TYPES(K__DEFINE, k_normalize_rows, 2, 1, K__NORMALIZE_ROWS_PARAMS, K__NORMALIZE_ROWS_ARGS)
+static void (*const k_normalize_rows_variants[3][3])(const bnbw_io *, int64_t, int64_t,
                                                      const float *, const float *,
                                                      const float *) = {
     {K__FWD_TYPES(K__ENTRY, k_normalize_rows, 0, 1, , )},
-    {K__FWD_TYPES(K__ENTRY, k_normalize_rows, 1, 1, , )}};
+    {K__FWD_TYPES(K__ENTRY, k_normalize_rows, 1, 1, , )},
+    {K__FWD_TYPES(K__ENTRY, k_normalize_rows, 2, 1, , )}};
 
 K__FWD_TYPES(K__DEFINE, k_stats_row_run, 0, 1,
              (const bnbw_io *io_arg, const bnbw_run *run, int64_t n, const float *shift,
@@ -1005,11 +1050,17 @@ static void (*const k_stats_row_run_variants[3])(const bnbw_io *, const bnbw_run
 #define K__NORMALIZE_RUN_ARGS (io, run, n, mean, k, b, DT, RELU)
 K__FWD_TYPES(K__DEFINE, k_normalize_row_run, 0, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
 K__FWD_TYPES(K__DEFINE, k_normalize_row_run, 1, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
-static void (*const k_normalize_row_run_variants[2][3])(const bnbw_io *, const bnbw_run *,
+K__FWD_TYPES(K__DEFINE, k_normalize_row_run, 2, 1, K__NORMALIZE_RUN_PARAMS, K__NORMALIZE_RUN_ARGS)
+static void (*const k_normalize_row_run_variants[3][3])(const bnbw_io *, const bnbw_run *,
                                                         int64_t, const float *, const float *,
                                                         const float *) = {
     {K__FWD_TYPES(K__ENTRY, k_normalize_row_run, 0, 1, , )},
-    {K__FWD_TYPES(K__ENTRY, k_normalize_row_run, 1, 1, , )}};
+    {K__FWD_TYPES(K__ENTRY, k_normalize_row_run, 1, 1, , )},
+    {K__FWD_TYPES(K__ENTRY, k_normalize_row_run, 2, 1, , )}};
+
+/* The normalize kernels' variant: BNBW_NO_RELU, BNBW_RELU or BNBW_ADD_RELU (anything else
+ * nonzero: the ReLU). */
+BNBW_INLINE int k__mode(int relu) { return relu == BNBW_ADD_RELU ? 2 : relu != 0; }
 
 /* The storage-type index of a forward call. */
 BNBW_INLINE int k__type(const bnbw_io *io) { return io->dt == BNBW_F16 ? 1 : io->dt == BNBW_BF16 ? 2 : 0; }
@@ -1022,7 +1073,7 @@ static void K__NAME(stats_row)(const bnbw_io *io, int64_t n, float shift, double
 static void K__NAME(normalize_row)(const bnbw_io *io, int64_t n, float mean, float k, float b,
                                    int relu)
 {
-    k_normalize_row_variants[k__contiguous(io)][relu != 0][k__type(io)](io, n, mean, k, b);
+    k_normalize_row_variants[k__contiguous(io)][k__mode(relu)][k__type(io)](io, n, mean, k, b);
 }
 
 static void K__NAME(stats_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
@@ -1039,7 +1090,7 @@ static void K__NAME(normalize_rows)(const bnbw_io *io, int64_t rows, int64_t n,
                                     const float *mean, const float *k, const float *b, int relu)
 {
     void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, const float *,
-                    const float *) = k_normalize_rows_variants[relu != 0][k__type(io)];
+                    const float *) = k_normalize_rows_variants[k__mode(relu)][k__type(io)];
     K__PEEL(f(io, rows, n, mean, k, b), f(io, rows, lead, mean, k, b),
             f(&rest, rows, n - lead, mean + lead, k + lead, b + lead));
 }
@@ -1054,7 +1105,7 @@ static void K__NAME(normalize_row_run)(const bnbw_io *io, const bnbw_run *run, i
                                        const float *mean, const float *k, const float *b,
                                        int relu)
 {
-    k_normalize_row_run_variants[relu != 0][k__type(io)](io, run, n, mean, k, b);
+    k_normalize_row_run_variants[k__mode(relu)][k__type(io)](io, run, n, mean, k, b);
 }
 
 #define K__TABLE_ENTRIES {                                                                  \

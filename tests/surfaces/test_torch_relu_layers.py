@@ -534,10 +534,28 @@ def test_a_lazy_batch_norm_converts_once_it_knows_its_channels():
 
 
 @pytest.mark.parametrize("input_grad", [True, False], ids=["x-grad", "parameters-only"])
-def test_the_add_layer_is_bn_add_relu_with_the_residuals_gradient(input_grad):
-    # y = max(bn(x) + r, 0) and r's gradient, the bits of our BatchNorm, + r, torch.relu
-    x, g = data((5, 4, 3, 6), seed=21)
-    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(22))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda t: str(t)[6:])
+@pytest.mark.parametrize("x_format, r_format", [
+    (torch.contiguous_format, torch.contiguous_format),
+    (torch.channels_last, torch.channels_last),
+    (torch.channels_last, torch.contiguous_format)], ids=["nchw", "cl", "cl-r-nchw"])
+def test_the_add_layer_is_bn_add_relu_with_the_residuals_gradient(monkeypatch, input_grad, dtype,
+                                                                  x_format, r_format):
+    # y = max(bn(x) + r, 0) and r's gradient: the bits of our BatchNorm, + r, torch.relu, with
+    # the add and the ReLU in the kernel's pass that writes y (r read in x's layout)
+    residuals = []
+    native = ops.forward
+
+    def spy(*args, residual=None, **kw):
+        residuals.append(None if residual is None else residual.stride())
+        return native(*args, residual=residual, **kw)
+
+    monkeypatch.setattr(ops, "forward", spy)
+    x, g = data((5, 4, 3, 6), seed=21, memory_format=x_format)
+    x, g = x.to(dtype), g.to(dtype)
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(22)).to(dtype)
+    r = r.contiguous(memory_format=r_format)
     fused, plain = bag.BatchNormAddReLU(4), bag.BatchNorm(4)
     got, want = [], []
     for layer, out in ((fused, got), (plain, want)):
@@ -548,8 +566,21 @@ def test_the_add_layer_is_bn_add_relu_with_the_residuals_gradient(input_grad):
         out += [y, rs.grad, layer.weight.grad, layer.bias.grad, layer.running_var]
         if input_grad:
             out.append(xs.grad)
+    assert residuals == [x.stride(), None]
     for a, b in zip(got, want):
         assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+
+
+def test_the_add_layer_keeps_nan_and_inf_of_the_residual():
+    x, _ = data((4, 3, 5, 5), seed=23)
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(24))
+    r[0, :, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    fused, plain = bag.BatchNormAddReLU(3), bag.BatchNorm(3)
+    y = fused(x, r)
+    want = torch.relu(plain(x) + r)
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(want))
+    assert y[0, :, 0, 0].isnan().all() and (y[0, :, 0, 1] == float("inf")).all()
 
 
 def test_the_add_layer_adds_a_broadcast_residual_as_written():
