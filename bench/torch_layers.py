@@ -43,8 +43,13 @@ QUICK_SHAPES = ((8, 16, 10, 10),)
 # cost shows
 RESNET18_64PX = ((32, 64, 32, 32), (32, 64, 16, 16), (32, 128, 8, 8), (32, 256, 4, 4),
                  (32, 512, 2, 2))
+# ResNet-50's (torchvision's Bottleneck) at batch 32 on 64 x 64 images, each shape once
+RESNET50_64PX = ((32, 64, 32, 32), (32, 64, 16, 16), (32, 256, 16, 16), (32, 128, 16, 16),
+                 (32, 128, 8, 8), (32, 512, 8, 8), (32, 256, 8, 8), (32, 256, 4, 4),
+                 (32, 1024, 4, 4), (32, 512, 4, 4), (32, 512, 2, 2), (32, 2048, 2, 2))
 # --layer-shapes names: the module attribute each one reads when the rows run
-SHAPE_SETS = {"default": "SHAPES", "quick": "QUICK_SHAPES", "resnet18-64px": "RESNET18_64PX"}
+SHAPE_SETS = {"default": "SHAPES", "quick": "QUICK_SHAPES", "resnet18-64px": "RESNET18_64PX",
+              "resnet50-64px": "RESNET50_64PX"}
 FORMATS = ("NCHW", "channels-last")
 # (name, our layer class, torch's ReLU after its BatchNorm2d: None, "ReLU" or "ReLU/inplace")
 PAIRS = (("BatchNorm", "BatchNorm", None),
