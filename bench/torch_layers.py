@@ -1,14 +1,17 @@
 """Training-step rows of the PyTorch layers: a forward and a backward of bnbw_native.autograd's
-BatchNorm and BatchNormReLU against torch.nn.BatchNorm2d and BatchNorm2d + ReLU, the only place
-that times them (`bench/run.py --layers` and examples/bench_torch_layers.py both call
-`layer_rows`).
+BatchNorm, BatchNormReLU and BatchNormAddReLU against torch.nn.BatchNorm2d and the ReLU and the
+residual add around it, the only place that times them (`bench/run.py --layers` and
+examples/bench_torch_layers.py both call `layer_rows`).
 
 Pairs, in NCHW and channels-last, at each shape and thread count:
     BatchNorm              ours BatchNorm        vs torch.nn.BatchNorm2d
     BatchNormReLU          ours BatchNormReLU    vs Sequential(BatchNorm2d, ReLU())
     BatchNormReLU/inplace  ours BatchNormReLU    vs Sequential(BatchNorm2d, ReLU(inplace=True))
-One step is `layer(x.detach().requires_grad_()).backward(dy)`: the forward in training mode
-(batch statistics, running statistics updated), the backward to x, weight and bias.  The five
+    BatchNormAddReLU       ours BatchNormAddReLU vs BatchNorm2d, `y += r`, relu_ (torchvision's
+                                                    residual block's end)
+One step is `layer(x.detach().requires_grad_()).backward(dy)` (the add layers: with a residual
+r of x's shape and layout that requires grad too): the forward in training mode (batch
+statistics, running statistics updated), the backward to x (and r), weight and bias.  The six
 steps of a case are timed interleaved, round by round, by timing.measure (the protocol of every
 bench row), with the page faults of each timed step counted.  Both sides allocate their
 tensors through torch; while they are timed, torch's CPU allocator is bench/torch_cache.cpp
@@ -54,7 +57,8 @@ FORMATS = ("NCHW", "channels-last")
 # (name, our layer class, torch's ReLU after its BatchNorm2d: None, "ReLU" or "ReLU/inplace")
 PAIRS = (("BatchNorm", "BatchNorm", None),
          ("BatchNormReLU", "BatchNormReLU", "ReLU"),
-         ("BatchNormReLU/inplace", "BatchNormReLU", "ReLU/inplace"))
+         ("BatchNormReLU/inplace", "BatchNormReLU", "ReLU/inplace"),
+         ("BatchNormAddReLU", "BatchNormAddReLU", "add+ReLU"))
 CHECKED = ("y", "x.grad", "weight.grad", "bias.grad")
 
 
@@ -80,42 +84,92 @@ class LayerRow:
     load1: float = None
 
 
-def step(layer, x, dy):
+def _adds(layer):
+    """Whether `layer` is called as layer(x, residual)."""
+    from bnbw_native.autograd import BatchNormAddReLU
+    return isinstance(layer, (BatchNormAddReLU, TorchAddReLU))
+
+
+def _call(layer, adds, x, residual):
+    """layer's y on a fresh leaf (and a fresh residual leaf when it adds one)."""
+    leaf = x.detach().requires_grad_()
+    if not adds:
+        return layer(leaf), leaf, None
+    r = residual.detach().requires_grad_()
+    return layer(leaf, r), leaf, r
+
+
+def step(layer, x, dy, residual):
     """One training step of `layer`: forward on a fresh leaf, backward of dy."""
+    adds = _adds(layer)
+
     def run():
-        leaf = x.detach().requires_grad_()
-        layer(leaf).backward(dy)
+        _call(layer, adds, x, residual)[0].backward(dy)
     return run
 
 
+class TorchAddReLU(torch.nn.Module if torch is not None else object):
+    """torch.nn.BatchNorm2d, then the residual added in place and an in-place ReLU, as
+    torchvision's residual blocks end (`out = bn(out); out += identity; out = relu(out)`)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x, residual):
+        y = self.bn(x)
+        y += residual
+        return torch.relu_(y)
+
+
 def make_layers(channels):
-    """{timing name: module}: ours (BatchNorm, BatchNormReLU) and torch's three."""
-    from bnbw_native.autograd import BatchNorm, BatchNormReLU
-    ours = {"BatchNorm": BatchNorm, "BatchNormReLU": BatchNormReLU}
+    """{timing name: module}: ours (BatchNorm, BatchNormReLU, BatchNormAddReLU) and torch's
+    four."""
+    from bnbw_native.autograd import BatchNorm, BatchNormAddReLU, BatchNormReLU
+    ours = {"BatchNorm": BatchNorm, "BatchNormReLU": BatchNormReLU,
+            "BatchNormAddReLU": BatchNormAddReLU}
     nn = torch.nn
     relu = {None: (), "ReLU": (nn.ReLU(),), "ReLU/inplace": (nn.ReLU(inplace=True),)}
     layers = {}
     for name, our_class, after in PAIRS:
         layers.setdefault(f"{our_class} ours", ours[our_class](channels))
-        layers[f"{name} torch"] = (nn.Sequential(nn.BatchNorm2d(channels), *relu[after])
-                                   if after else nn.BatchNorm2d(channels))
+        if our_class == "BatchNormAddReLU":
+            layers[f"{name} torch"] = TorchAddReLU(channels)
+        else:
+            layers[f"{name} torch"] = (nn.Sequential(nn.BatchNorm2d(channels), *relu[after])
+                                       if after else nn.BatchNorm2d(channels))
     return layers
 
 
-def outputs(layer, x, dy):
-    """y, x.grad, weight.grad, bias.grad of one step (parameter gradients cleared first)."""
+def outputs(layer, x, dy, residual):
+    """y, x.grad, weight.grad, bias.grad (and the residual's gradient, for the add layers) of
+    one step (parameter gradients cleared first)."""
     layer.zero_grad(set_to_none=True)
-    leaf = x.detach().requires_grad_()
-    y = layer(leaf)
+    y, leaf, r = _call(layer, _adds(layer), x, residual)
     y.backward(dy)
     params = [p for p in layer.parameters()]
-    return [y.detach(), leaf.grad] + [p.grad for p in params[:2]]
+    return [y.detach(), leaf.grad] + [p.grad for p in params[:2]] + ([] if r is None
+                                                                       else [r.grad])
 
 
-def compare(ours, theirs, x, dy):
-    """{CHECKED name: max |ours - torch's| / max |torch's|} over one step of each."""
-    return {name: relative_error(a.float().numpy(), b.double().numpy())
-            for name, a, b in zip(CHECKED, outputs(ours, x, dy), outputs(theirs, x, dy))}
+def compare(ours, theirs, x, dy, residual):
+    """({CHECKED name: max |ours - torch's| / max |torch's|}, flips) over one step of each.
+    Where a ReLU's input lies within rounding of 0, one side's y can be 0 and the other's
+    positive; that element's gradients are then 0 on one side and dy on the other.  Such
+    elements (`flips`, counted) are left out of the gradients' comparison; more than one in
+    10^5 fails the check."""
+    mine, theirs_ = outputs(ours, x, dy, residual), outputs(theirs, x, dy, residual)
+    flipped = (mine[0] > 0) != (theirs_[0] > 0)
+    flips = int(flipped.sum())
+    if flips > max(1, x.numel() // 100000):
+        raise CheckFailed(f"layer {type(ours).__name__}: {flips} of {x.numel()} elements are "
+                          "positive on one side only")
+    errs = {}
+    for name, a, b in zip(CHECKED + ("residual.grad",), mine, theirs_):
+        if name != "y" and flips and a.shape == x.shape:
+            a, b = a.masked_fill(flipped, 0), b.masked_fill(flipped, 0)
+        errs[name] = relative_error(a.float().numpy(), b.double().numpy())
+    return errs, flips
 
 
 def case_inputs(shape, memory_format):
@@ -123,7 +177,8 @@ def case_inputs(shape, memory_format):
     fmt = torch.channels_last if memory_format == "channels-last" else torch.contiguous_format
     x = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
     dy = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
-    return x, dy
+    residual = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
+    return x, dy, residual
 
 
 def layer_rows(shapes, threads, protocol, echo=None):
@@ -141,13 +196,14 @@ def layer_rows(shapes, threads, protocol, echo=None):
             torch.set_num_threads(nthreads)
             for shape in shapes:
                 for memory_format in FORMATS:
-                    x, dy = case_inputs(shape, memory_format)
+                    x, dy, residual = case_inputs(shape, memory_format)
                     layers = make_layers(shape[1])
-                    errs = {name: compare(layers[f"{ours} ours"], layers[f"{name} torch"], x, dy)
-                            for name, ours, _ in PAIRS}
+                    checks = {name: compare(layers[f"{ours} ours"], layers[f"{name} torch"], x,
+                                            dy, residual)
+                              for name, ours, _ in PAIRS}
                     for layer in layers.values():
                         layer.zero_grad(set_to_none=True)
-                    fns = {name: step(layer, x, dy) for name, layer in layers.items()}
+                    fns = {name: step(layer, x, dy, residual) for name, layer in layers.items()}
                     installed = cache is not None and cache.on()
                     try:
                         times = measure(fns, protocol, subjects=tuple(fns),
@@ -158,7 +214,7 @@ def layer_rows(shapes, threads, protocol, echo=None):
                             cache.flush()
                     for name, ours, _ in PAIRS:
                         row = make_row(name, shape, memory_format, nthreads, times,
-                                       f"{ours} ours", f"{name} torch", errs[name])
+                                       f"{ours} ours", f"{name} torch", *checks[name])
                         rows.append(row)
                         if echo is not None:
                             echo(row)
@@ -167,7 +223,7 @@ def layer_rows(shapes, threads, protocol, echo=None):
     return rows
 
 
-def make_row(name, shape, memory_format, nthreads, times, ours, theirs, errs):
+def make_row(name, shape, memory_format, nthreads, times, ours, theirs, errs, flips=0):
     o, t = times[ours], times[theirs]
     row = LayerRow(
         layer=name, shape=tuple(shape), memory_format=memory_format, threads=nthreads,
@@ -186,6 +242,8 @@ def make_row(name, shape, memory_format, nthreads, times, ours, theirs, errs):
                           f"({errs})")
     if worst > PEER_SLACK * TOLERANCE["f32"][0]:
         row.notes.append(f"err {worst:.0e}")
+    if flips:
+        row.notes.append(f"{flips} ReLU flip{'s' if flips > 1 else ''}")
     return row
 
 

@@ -4,9 +4,9 @@
     python examples/bench_torch_layers.py --threads 1 --rounds 15
     python examples/bench_torch_layers.py --quick          # a tiny shape, seconds
 
-Pairs: BatchNorm vs torch.nn.BatchNorm2d, and BatchNormReLU vs
-torch.nn.Sequential(BatchNorm2d, ReLU()) (and with ReLU(inplace=True)), in NCHW and
-channels-last.  The timing is the benchmark's (bench/torch_layers.py, the same rows as
+Pairs: BatchNorm vs torch.nn.BatchNorm2d, BatchNormReLU vs
+torch.nn.Sequential(BatchNorm2d, ReLU()) (and with ReLU(inplace=True)), and BatchNormAddReLU
+vs BatchNorm2d, `y += residual` and an in-place ReLU, in NCHW and channels-last.  The timing is the benchmark's (bench/torch_layers.py, the same rows as
 `python bench/run.py --layers`): the layers of a case take turns round by round, each round
 one sample per layer (a batch of steps when a step is shorter than 2 ms), so a busy machine
 slows them alike.  Printed: the median step time and the fastest sample, and torch's time over

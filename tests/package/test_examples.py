@@ -94,6 +94,7 @@ def test_bench_torch_layers(tmp_path):
     pytest.importorskip("torch")
     out = run_example("bench_torch_layers.py", tmp_path, args=["--quick", "--threads", "1"])
     rows = [line.split() for line in out.splitlines() if line.startswith("  Batch")]
-    assert [r[0] for r in rows] == ["BatchNorm", "BatchNormReLU", "BatchNormReLU/inplace"] * 2
+    assert [r[0] for r in rows] == ["BatchNorm", "BatchNormReLU", "BatchNormReLU/inplace",
+                                    "BatchNormAddReLU"] * 2
     assert all(float(r[2]) > 0 and float(r[6]) > 0 for r in rows)
 
