@@ -5,7 +5,9 @@ and the engine adds it after y is rounded to its storage type, in f32, then appl
 (NaN kept, +0 elsewhere): the bits of the plain forward's y, the add and the ReLU as three
 steps in that type.  Checked here against exactly that, computed in NumPy from the plain
 forward, on every schedule the forward takes (forced by shape, cache model and thread count),
-on both sides of the row-block and tile boundaries, on every kernel body, in f32, f16 and bf16;
+on both sides of the row-block and tile boundaries with outliers at each channel's first
+element, its second block's first and its last (past 4096 elements a channel's sums are then
+taken again around its mean), on every kernel body, in f32, f16 and bf16;
 the statistics and running statistics are the plain call's bits.  Refusals: a residual of
 another type, shape or layout, without the ReLU, with the two-phase formula, or overlapping y.
 """
@@ -21,12 +23,15 @@ NO_CACHE = (1 << 10, 1 << 12, 64)           # nothing fits: split schedules, sma
 LARGE_CACHE = (8 << 20, 1 << 30, 2)         # everything fits: widest fused groups, slabs
 DTYPES = [np.float32, np.float16] + ([BF16] if BF16 is not None else [])
 DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
-# (shape, data_format): channel-last rows on both sides of a 1024-row block and one block of
-# 4100 channels (slabs on both sides of TILE); channel-major rows of 64 (sweeps), rows cut by
-# 32768-element blocks, rows crossing a 2048-element tile, short rows (runs of channels)
-CASES = [((5 * 1024 - 1, 4), "NXC"), ((5 * 1024 + 1, 4), "NXC"), ((3, 4100), "NXC"),
-         ((9, 11, 13, 40), "NXC"), ((513, 3, 64), "NCX"), ((1, 3, 32769), "NCX"),
-         ((17, 3, 2049), "NCX"), ((16, 48, 9, 9), "NCX")]
+# (shape, data_format, block): channel-last rows on both sides of a 1024-row block and one
+# block of 4100 channels (slabs on both sides of TILE); channel-major rows of 64 (sweeps), rows
+# cut by 32768-element blocks, rows crossing a 2048-element tile, short rows (runs of
+# channels).  block: a channel's elements per row block (rows for NXC), where the outliers of
+# _problem go (past the channel's end: one block)
+CASES = [((5 * 1024 - 1, 4), "NXC", 1024), ((5 * 1024 + 1, 4), "NXC", 1024),
+         ((3, 4100), "NXC", 3), ((9, 11, 13, 40), "NXC", 3276), ((513, 3, 64), "NCX", 32768),
+         ((1, 3, 32769), "NCX", 32768), ((17, 3, 2049), "NCX", 15 * 2049),
+         ((16, 48, 9, 9), "NCX", 32768)]
 SCHEDULES = {"last-split", "last-slab", "major-sweep", "major-blocks", "major-sweep-fused",
              "major-channel-fused"}
 
@@ -42,9 +47,19 @@ def _channels(shape, data_format):
     return shape[-1] if data_format == "NXC" else shape[1]
 
 
-def _problem(rng, shape, data_format, dtype):
+def _problem(rng, shape, data_format, dtype, block=None):
+    """x ~ N(3, 2) - with `block`, each channel's first element, the first of its second row
+    block (when it has one) and its last element at 3 + 5000, outliers that make the forward
+    sum again in channels of more than 4096 elements -, a residual ~ N(0, 1) and the four statistics of length C."""
     C = _channels(shape, data_format)
-    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32).astype(dtype)
+    x32 = (rng.standard_normal(shape) * 2 + 3).astype(np.float32)
+    if block is not None:
+        for c in range(C):
+            values = x32[..., c] if data_format == "NXC" else x32[:, c]     # a view
+            for pos in (0, block, values.size - 1):
+                if pos < values.size:
+                    values[np.unravel_index(pos, values.shape)] = 5003.0
+    x = x32.astype(dtype)
     residual = rng.standard_normal(shape).astype(np.float32).astype(dtype)
     stats = (rng.standard_normal(C).astype(np.float32), (rng.random(C) + 0.5).astype(np.float32),
              rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32))
@@ -79,10 +94,10 @@ def _schedule(x, data_format, threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("shape, data_format", CASES, ids=str)
+@pytest.mark.parametrize("shape, data_format, block", CASES, ids=str)
 def test_the_fused_add_is_bn_then_add_then_relu_on_every_schedule_and_body(rng, dtype, shape,
-                                                                           data_format):
-    x, residual, stats = _problem(rng, shape, data_format, dtype)
+                                                                           data_format, block):
+    x, residual, stats = _problem(rng, shape, data_format, dtype, block)
     plain = _forward(x, stats, data_format, 1)
     want = _added(plain[0], residual)
     assert (want.astype(np.float32) == 0).any() and (want.astype(np.float32) > 0).any()
@@ -99,7 +114,7 @@ def test_the_fused_add_is_bn_then_add_then_relu_on_every_schedule_and_body(rng, 
 
 def test_the_cases_reach_every_schedule_the_forward_has():
     seen = set()
-    for shape, data_format in CASES:
+    for shape, data_format, _ in CASES:
         x = np.zeros(shape, np.float32)
         for model in (NO_CACHE, LARGE_CACHE):
             tuning.set_cache_model(*model)
