@@ -561,11 +561,130 @@ BNBW_INLINE bnbw_io k__run_row(const bnbw_io *io, const bnbw_run *run, int64_t r
     return o;
 }
 
+/* Runs of rows of n = 2, 4 or 8 elements (a 2 x 2 image, say) whose operands each lay the
+ * run's rows end to end go 16 / n rows to a vector: lane l holds element l % n of row l / n and
+ * the per-row constants are spread to match.  Every lane computes what the row kernels compute
+ * for it.  A row's sums are its lanes folded by the same pairwise tree as vd_fold: the steps
+ * vd_fold takes past the row's n lanes add +0 to a lane that is never -0 (0 + a term), which
+ * changes nothing, so the packed rows give the row kernels' bits with 16 / n times fewer
+ * vector steps and folds.  Returns log2(n) when the run packs, else 0.  reads: which
+ * operands the kernel reads or writes (K__PACK_*). */
+enum { K__PACK_X = 1, K__PACK_DY = 2, K__PACK_DX = 4 };
+BNBW_INLINE int k__packs(const bnbw_io *io, const bnbw_run *run, int64_t n, int dt, int mdt,
+                         int reads)
+{
+    const int64_t row = n * BNBW_ITEMSIZE(dt);
+    const int s = n == 2 ? 1 : n == 4 ? 2 : n == 8 ? 3 : 0;
+    if (s == 0 || run->count < (16 >> s))
+        return 0;
+    if (((reads & K__PACK_X) && run->x != row) || ((reads & K__PACK_DY) && run->dy != row)
+        || ((reads & K__PACK_DX) && run->dx != row)
+        || (io->dres != NULL && (reads & K__PACK_DX) && run->dres != row)
+        || (mdt != BNBW_NO_MASK && (reads & K__PACK_DY)
+            && run->mask != n * (mdt == BNBW_BOOL ? 1 : BNBW_ITEMSIZE(dt))))
+        return 0;
+    return s;
+}
+
+/* FN(s, args) with s a constant (1, 2 or 3), so that its spreads and folds unroll; 0 for s 0. */
+#define K__PACKED(FN, S, ...)                                                              \
+    ((S) == 1 ? FN(1, __VA_ARGS__) : (S) == 2 ? FN(2, __VA_ARGS__)                          \
+     : (S) == 3 ? FN(3, __VA_ARGS__) : 0)
+
+/* Lane l: c[l >> s] (the constant of the row lane l belongs to). */
+BNBW_INLINE void k__spread(const float *c, int s, float out[16])
+{
+    for (int l = 0; l < 16; ++l)
+        out[l] = c[l >> s];
+}
+
+/* Each group of 2^s lanes folded into its first, vd_fold's pairwise steps within the group. */
+BNBW_INLINE void k__fold_groups(double a[16], int s)
+{
+    for (int w = (1 << s) >> 1; w > 0; w >>= 1)
+        for (int g = 0; g < 16; g += 1 << s)
+            for (int l = 0; l < w; ++l)
+                a[g + l] += a[g + l + w];
+}
+
+/* Adds packed rows' folded sums a, b (rows r0.. of the vector) to their rows' sums. */
+BNBW_INLINE void k__add_groups(double a[16], double b[16], int s, double *sums,
+                               int64_t sums_step)
+{
+    k__fold_groups(a, s);
+    k__fold_groups(b, s);
+    for (int g = 0; g < 16 >> s; ++g) {
+        sums[g * sums_step] += a[g << s];
+        sums[g * sums_step + 1] += b[g << s];
+    }
+}
+
+/* Rows r.. of a packed run: the rows' 16 elements from element r << s of each operand. */
+BNBW_INLINE int64_t k__reduce_packed(int s, const bnbw_io *io, const bnbw_run *run,
+                                     const float *mean, double *sums, int64_t sums_step, int dt,
+                                     int mdt)
+{
+    const int per = 16 >> s;
+    int64_t r = 0;
+    for (; r + per <= run->count; r += per) {
+        float m[16];
+        double a[16], b[16];
+        k__spread(mean + r, s, m);
+        vd G = vd_zero(), P = vd_zero();
+        K__ACCUMULATE_W(G, P, k__gw(io, r << s, 1, 1, dt, mdt),
+                        vw_sub(vw_load(io->x, r << s, 1, dt), vw_loadu(m)));
+        vd_storeu(a, G);
+        vd_storeu(b, P);
+        k__add_groups(a, b, s, sums + r * sums_step, sums_step);
+    }
+    return r;
+}
+
+BNBW_INLINE int64_t k__apply_packed(int s, const bnbw_io *io, const bnbw_run *run,
+                                    const float *mean, const float *k1, const float *k2,
+                                    const float *k3, int dt, int mdt)
+{
+    const int per = 16 >> s;
+    int64_t r = 0;
+    for (; r + per <= run->count; r += per) {
+        float m[16], a[16], b[16], c[16];
+        const int64_t i = r << s;
+        k__spread(mean + r, s, m);
+        k__spread(k1 + r, s, a);
+        k__spread(k2 + r, s, b);
+        k__spread(k3 + r, s, c);
+        vf x = v_load(io->x, i, 1, dt, 0), g = k__g(io, i, 1, 1, dt, mdt, 0);
+        k__residual(io, i, 16, 1, 1, 1, dt, mdt);
+        v_store(io->dx, i, 1, k__apply(x, g, vf_loadu(m), vf_loadu(a), vf_loadu(b),
+                                       vf_loadu(c)), dt, 0);
+    }
+    return r;
+}
+
+BNBW_INLINE int64_t k__scale_packed(int s, const bnbw_io *io, const bnbw_run *run,
+                                    const float *k1, int dt, int mdt)
+{
+    const int per = 16 >> s;
+    int64_t r = 0;
+    for (; r + per <= run->count; r += per) {
+        float a[16];
+        const int64_t i = r << s;
+        k__spread(k1 + r, s, a);
+        vf g = k__g(io, i, 1, 1, dt, mdt, 0);
+        k__residual(io, i, 16, 1, 1, 1, dt, mdt);
+        v_store(io->dx, i, 1, vf_mul(vf_loadu(a), g), dt, 0);
+    }
+    return r;
+}
+
 BNBW_INLINE void k_reduce_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
                                   const float *mean, double *sums, int64_t sums_step, int mode,
                                   int dt, int mdt)
 {
-    for (int64_t r = 0; r < run->count; ++r, sums += sums_step) {
+    const int s = k__packs(io, run, n, dt, mdt, K__PACK_X | K__PACK_DY);
+    const int64_t packed = K__PACKED(k__reduce_packed, s, io, run, mean, sums, sums_step, dt, mdt);
+    sums += packed * sums_step;
+    for (int64_t r = packed; r < run->count; ++r, sums += sums_step) {
         bnbw_io o = k__run_row(io, run, r);
         double part[2];
         k_reduce_row(&o, n, mean[r], part, mode, dt, mdt, 1);
@@ -578,7 +697,9 @@ BNBW_INLINE void k_apply_row_run(const bnbw_io *io, const bnbw_run *run, int64_t
                                  const float *mean, const float *k1, const float *k2,
                                  const float *k3, int dt, int mdt)
 {
-    for (int64_t r = 0; r < run->count; ++r) {
+    const int s = k__packs(io, run, n, dt, mdt, K__PACK_X | K__PACK_DY | K__PACK_DX);
+    const int64_t packed = K__PACKED(k__apply_packed, s, io, run, mean, k1, k2, k3, dt, mdt);
+    for (int64_t r = packed; r < run->count; ++r) {
         bnbw_io o = k__run_row(io, run, r);
         k_apply_row(&o, n, mean[r], k1[r], k2[r], k3[r], dt, mdt, 1);
     }
@@ -587,7 +708,9 @@ BNBW_INLINE void k_apply_row_run(const bnbw_io *io, const bnbw_run *run, int64_t
 BNBW_INLINE void k_scale_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
                                  const float *k1, int dt, int mdt)
 {
-    for (int64_t r = 0; r < run->count; ++r) {
+    const int s = k__packs(io, run, n, dt, mdt, K__PACK_DY | K__PACK_DX);
+    const int64_t packed = K__PACKED(k__scale_packed, s, io, run, k1, dt, mdt);
+    for (int64_t r = packed; r < run->count; ++r) {
         bnbw_io o = k__run_row(io, run, r);
         k_scale_row(&o, n, k1[r], dt, mdt, 1);
     }
@@ -765,10 +888,53 @@ BNBW_INLINE void k_normalize_rows(const bnbw_io *io, int64_t rows, int64_t n, co
     }
 }
 
+/* The forward's kernels over packed runs (k__packs): the same lanes, the same bits. */
+BNBW_INLINE int64_t k__stats_packed(int s, const bnbw_io *io, const bnbw_run *run,
+                                    const float *shift, double *sums, int64_t sums_step, int dt)
+{
+    const int per = 16 >> s;
+    int64_t r = 0;
+    for (; r + per <= run->count; r += per) {
+        float h[16];
+        double a[16], b[16];
+        k__spread(shift + r, s, h);
+        vd S = vd_zero(), Q = vd_zero();
+        K__STATS(S, Q, vw_load(io->x, r << s, 1, dt), vd_widen(vw_loadu(h)));
+        vd_storeu(a, S);
+        vd_storeu(b, Q);
+        k__add_groups(a, b, s, sums + r * sums_step, sums_step);
+    }
+    return r;
+}
+
+BNBW_INLINE int64_t k__normalize_packed(int s, const bnbw_io *io, const bnbw_run *run,
+                                        const float *mean, const float *k, const float *b,
+                                        int dt, int relu)
+{
+    const int per = 16 >> s, add = relu == BNBW_ADD_RELU;
+    int64_t r = 0;
+    for (; r + per <= run->count; r += per) {
+        float m[16], kk[16], bb[16];
+        const int64_t i = r << s;
+        k__spread(mean + r, s, m);
+        k__spread(k + r, s, kk);
+        k__spread(b + r, s, bb);
+        vf y = k__normalize(v_load(io->x, i, 1, dt, 0), vf_loadu(m), vf_loadu(kk),
+                            vf_loadu(bb), relu && !add);
+        if (add)
+            y = k__add_relu(k__rounded(y, dt, 0), v_load(io->dy, i, 1, dt, 0));
+        v_store(io->dx, i, 1, y, dt, 0);
+    }
+    return r;
+}
+
 BNBW_INLINE void k_stats_row_run(const bnbw_io *io, const bnbw_run *run, int64_t n,
                                  const float *shift, double *sums, int64_t sums_step, int dt)
 {
-    for (int64_t r = 0; r < run->count; ++r, sums += sums_step) {
+    const int s = k__packs(io, run, n, dt, BNBW_NO_MASK, K__PACK_X);
+    const int64_t packed = K__PACKED(k__stats_packed, s, io, run, shift, sums, sums_step, dt);
+    sums += packed * sums_step;
+    for (int64_t r = packed; r < run->count; ++r, sums += sums_step) {
         bnbw_io o = k__run_row(io, run, r);
         double part[2];
         k_stats_row(&o, n, shift[r], part, dt, 1);
@@ -781,7 +947,10 @@ BNBW_INLINE void k_normalize_row_run(const bnbw_io *io, const bnbw_run *run, int
                                      const float *mean, const float *k, const float *b, int dt,
                                      int relu)
 {
-    for (int64_t r = 0; r < run->count; ++r) {
+    const int s = k__packs(io, run, n, dt, BNBW_NO_MASK, K__PACK_X | K__PACK_DX
+                           | (relu == BNBW_ADD_RELU ? K__PACK_DY : 0));
+    const int64_t packed = K__PACKED(k__normalize_packed, s, io, run, mean, k, b, dt, relu);
+    for (int64_t r = packed; r < run->count; ++r) {
         bnbw_io o = k__run_row(io, run, r);
         k_normalize_row(&o, n, mean[r], k[r], b[r], dt, relu, 1);
     }
