@@ -15,7 +15,7 @@
  *   stats_row    Sum d, Sum d*d, d = x - shift         stats_rows
  *   normalize_row  y = k*(x - mean) + b, ReLU or not   normalize_rows
  *   *_row_run    the row kernels over a run of adjacent channels' short rows, one call;
- *                rows of 2, 4 or 8 elements laid end to end go 16 / n rows to a vector
+ *                rows of 2, 4, 8 or 16 elements laid end to end go 16 / n rows to a vector
  *                (packed runs, bnbw_kernels_impl.h), with the row kernels' bits
  *
  * The forward's terms are exact: d is formed in f64 from the two f32 values, its square is

@@ -561,20 +561,22 @@ BNBW_INLINE bnbw_io k__run_row(const bnbw_io *io, const bnbw_run *run, int64_t r
     return o;
 }
 
-/* Runs of rows of n = 2, 4 or 8 elements (a 2 x 2 image, say) whose operands each lay the
- * run's rows end to end go 16 / n rows to a vector: lane l holds element l % n of row l / n and
- * the per-row constants are spread to match.  Every lane computes what the row kernels compute
- * for it.  A row's sums are its lanes folded by the same pairwise tree as vd_fold: the steps
- * vd_fold takes past the row's n lanes add +0 to a lane that is never -0 (0 + a term), which
- * changes nothing, so the packed rows give the row kernels' bits with 16 / n times fewer
- * vector steps and folds.  Returns log2(n) when the run packs, else 0.  reads: which
- * operands the kernel reads or writes (K__PACK_*). */
+/* Runs of rows of n = 2, 4, 8 or 16 elements (a 2 x 2 or 4 x 4 image, say) whose operands
+ * each lay the run's rows end to end go 16 / n rows to a vector: lane l holds element l % n of
+ * row l / n and the per-row constants are spread to match.  Every lane computes what the row
+ * kernels compute for it.  A row's sums are its lanes folded by the same pairwise tree as
+ * vd_fold: the steps vd_fold takes past the row's n lanes add +0 to a lane that is never -0
+ * (0 + a term), which changes nothing, so the packed rows give the row kernels' bits with
+ * 16 / n times fewer vector steps and folds, and no per-row set-up.  Rows of 16 pack only
+ * for exact sums: blocked sums (f16, bf16) sum whole runs of 16 in f32 blocks first.  Returns
+ * log2(n) when the run packs, else 0.  reads: which operands the kernel reads or writes
+ * (K__PACK_*). */
 enum { K__PACK_X = 1, K__PACK_DY = 2, K__PACK_DX = 4 };
 BNBW_INLINE int k__packs(const bnbw_io *io, const bnbw_run *run, int64_t n, int dt, int mdt,
                          int reads)
 {
     const int64_t row = n * BNBW_ITEMSIZE(dt);
-    const int s = n == 2 ? 1 : n == 4 ? 2 : n == 8 ? 3 : 0;
+    const int s = n == 2 ? 1 : n == 4 ? 2 : n == 8 ? 3 : n == 16 ? 4 : 0;
     if (s == 0 || run->count < (16 >> s))
         return 0;
     if (((reads & K__PACK_X) && run->x != row) || ((reads & K__PACK_DY) && run->dy != row)
@@ -589,7 +591,7 @@ BNBW_INLINE int k__packs(const bnbw_io *io, const bnbw_run *run, int64_t n, int 
 /* FN(s, args) with s a constant (1, 2 or 3), so that its spreads and folds unroll; 0 for s 0. */
 #define K__PACKED(FN, S, ...)                                                              \
     ((S) == 1 ? FN(1, __VA_ARGS__) : (S) == 2 ? FN(2, __VA_ARGS__)                          \
-     : (S) == 3 ? FN(3, __VA_ARGS__) : 0)
+     : (S) == 3 ? FN(3, __VA_ARGS__) : (S) == 4 ? FN(4, __VA_ARGS__) : 0)
 
 /* Lane l: c[l >> s] (the constant of the row lane l belongs to). */
 BNBW_INLINE void k__spread(const float *c, int s, float out[16])
@@ -607,10 +609,18 @@ BNBW_INLINE void k__fold_groups(double a[16], int s)
                 a[g + l] += a[g + l + w];
 }
 
-/* Adds packed rows' folded sums a, b (rows r0.. of the vector) to their rows' sums. */
-BNBW_INLINE void k__add_groups(double a[16], double b[16], int s, double *sums,
-                               int64_t sums_step)
+/* Adds the packed rows' sums A, B, each row's lanes folded, to their rows' sums (a row of
+ * 16 lanes: vd_fold itself). */
+BNBW_INLINE void k__add_groups(vd A, vd B, int s, double *sums, int64_t sums_step)
 {
+    double a[16], b[16];
+    if (s == 4) {
+        sums[0] += vd_fold(A);
+        sums[1] += vd_fold(B);
+        return;
+    }
+    vd_storeu(a, A);
+    vd_storeu(b, B);
     k__fold_groups(a, s);
     k__fold_groups(b, s);
     for (int g = 0; g < 16 >> s; ++g) {
@@ -628,14 +638,11 @@ BNBW_INLINE int64_t k__reduce_packed(int s, const bnbw_io *io, const bnbw_run *r
     int64_t r = 0;
     for (; r + per <= run->count; r += per) {
         float m[16];
-        double a[16], b[16];
         k__spread(mean + r, s, m);
         vd G = vd_zero(), P = vd_zero();
         K__ACCUMULATE_W(G, P, k__gw(io, r << s, 1, 1, dt, mdt),
                         vw_sub(vw_load(io->x, r << s, 1, dt), vw_loadu(m)));
-        vd_storeu(a, G);
-        vd_storeu(b, P);
-        k__add_groups(a, b, s, sums + r * sums_step, sums_step);
+        k__add_groups(G, P, s, sums + r * sums_step, sums_step);
     }
     return r;
 }
@@ -681,7 +688,8 @@ BNBW_INLINE void k_reduce_row_run(const bnbw_io *io, const bnbw_run *run, int64_
                                   const float *mean, double *sums, int64_t sums_step, int mode,
                                   int dt, int mdt)
 {
-    const int s = k__packs(io, run, n, dt, mdt, K__PACK_X | K__PACK_DY);
+    const int s = n == 16 && mode != BNBW_EXACT_SUMS
+                  ? 0 : k__packs(io, run, n, dt, mdt, K__PACK_X | K__PACK_DY);
     const int64_t packed = K__PACKED(k__reduce_packed, s, io, run, mean, sums, sums_step, dt, mdt);
     sums += packed * sums_step;
     for (int64_t r = packed; r < run->count; ++r, sums += sums_step) {
@@ -896,13 +904,10 @@ BNBW_INLINE int64_t k__stats_packed(int s, const bnbw_io *io, const bnbw_run *ru
     int64_t r = 0;
     for (; r + per <= run->count; r += per) {
         float h[16];
-        double a[16], b[16];
         k__spread(shift + r, s, h);
         vd S = vd_zero(), Q = vd_zero();
         K__STATS(S, Q, vw_load(io->x, r << s, 1, dt), vd_widen(vw_loadu(h)));
-        vd_storeu(a, S);
-        vd_storeu(b, Q);
-        k__add_groups(a, b, s, sums + r * sums_step, sums_step);
+        k__add_groups(S, Q, s, sums + r * sums_step, sums_step);
     }
     return r;
 }

@@ -1,15 +1,19 @@
-"""Packed short rows: channel-major rows of 2, 4 or 8 elements (a 2 x 2 image) go 16 / n rows
-to a vector when every operand lays a run's rows end to end, and give the row kernels' bits.
+"""Packed short rows: channel-major rows of 2, 4, 8 or 16 elements (a 2 x 2 or 4 x 4 image) go
+16 / n rows to a vector when every operand lays a run's rows end to end, and give the row
+kernels' bits.
 
 The same values are passed twice: dense, whose runs pack, and as a view with one element of
 padding after every row, whose runs cannot (a row's operands are not end to end) and which the
 plan visits in the same order (the padding is not a dim).  Every result must agree bit for bit:
 the forward's statistics and y (no ReLU, ReLU, residual added before the ReLU), the training
 backward with and without a ReLU mask (of the storage type and bool) and the residual's
-gradient, and the frozen backward; on every kernel body, at 1, 2 and 3 threads, in f32, f16
-and bf16, with channel counts that leave rows over after the last whole vector (they take the
-row kernels).  A float64 reference checks the packed results are right, not only equal.
+gradient, and the frozen backward, with blocked and exact sums; on every kernel body, at 1, 2
+and 3 threads, in f32, f16 and bf16, with channel counts that leave rows over after the last
+whole vector (they take the row kernels).  A float64 reference checks the packed results are
+right, not only equal.
 """
+import itertools
+
 import numpy as np
 import pytest
 
@@ -21,7 +25,9 @@ EPS = 1e-5
 DTYPES = [np.float32, np.float16] + ([BF16] if BF16 is not None else [])
 DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
 # (N, C, n): rows of n elements; C = 16 / n rows per vector times k, and k plus some rows over
-SHAPES = [(5, 16, 2), (3, 9, 2), (4, 12, 4), (7, 7, 4), (3, 10, 8), (6, 3, 8), (2, 1, 4)]
+# (C = 1 would not do: its dim is dropped and the dense rows merge into one, the padded not)
+SHAPES = [(5, 16, 2), (3, 9, 2), (4, 12, 4), (7, 7, 4), (3, 10, 8), (6, 3, 8), (2, 2, 4),
+          (3, 5, 16), (2, 2, 16)]
 
 
 @pytest.fixture(autouse=True)
@@ -60,10 +66,10 @@ def _forward(x, stats, relu, threads, residual=None):
                            torch_running=True, residual=residual)
 
 
-def _backward(formula, x, dy, stats, threads, mask=None, dres=None):
+def _backward(formula, x, dy, stats, threads, mask=None, dres=None, exact_sums=False):
     mean, var, gamma = stats[3], stats[1], stats[2]
     return _arrays.backward(GRAPH, formula, x, dy, mean, var, gamma, EPS, "NCX", None, threads,
-                            relu_dst=mask, diff_residual=dres)
+                            relu_dst=mask, diff_residual=dres, exact_sums=exact_sums)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -89,18 +95,18 @@ def test_the_backward_of_packed_rows_is_the_row_kernels(rng, dtype, shape):
     for body in bodies():
         with kernels(body):
             for threads in (1, 2, 3):
-                for formula in (_arrays.TRAINING, _arrays.FROZEN):
-                    for mask in (None, y, y > 0):
-                        dres = [None, None] if mask is None else [np.empty_like(dy),
-                                                                  np.empty_like(dy)]
-                        packed = _backward(formula, x, dy, stats, threads, mask, dres[0])
-                        rows = _backward(formula, _padded(x), _padded(dy), stats, threads,
-                                         None if mask is None else _padded(mask), dres[1])
-                        for a, b in zip(packed, rows):
-                            if a is not None:
-                                _same(a, b)
-                        if mask is not None:
-                            _same(dres[0], dres[1])
+                for formula, mask, exact in itertools.product(
+                        (_arrays.TRAINING, _arrays.FROZEN), (None, y, y > 0), (False, True)):
+                    dres = [None, None] if mask is None else [np.empty_like(dy),
+                                                              np.empty_like(dy)]
+                    packed = _backward(formula, x, dy, stats, threads, mask, dres[0], exact)
+                    rows = _backward(formula, _padded(x), _padded(dy), stats, threads,
+                                     None if mask is None else _padded(mask), dres[1], exact)
+                    for a, b in zip(packed, rows):
+                        if a is not None:
+                            _same(a, b)
+                    if mask is not None:
+                        _same(dres[0], dres[1])
 
 
 def test_packed_rows_match_the_float64_reference(rng):
