@@ -28,6 +28,7 @@ forward then runs in two phases with the sums all-reduced in between, as the bac
 `relu`: y = max(bn(x), 0); the backward then takes y itself as `relu_out` and masks the
 gradient with it.
 """
+import inspect
 from typing import Optional, Tuple
 
 import numpy as np
@@ -229,8 +230,15 @@ def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     return y, mean, var, torch.tensor(count, dtype=torch.int64), *updated
 
 
+# The operators read and write any strides (y and grad_x take x's layout), so a compiler may
+# hand them tensors in the layout it chose (inductor lays convolutions' outputs channels-last):
+# without the tag it copies every input into the strides of eager mode and every output back.
+_ANY_LAYOUT = ({"tags": (torch.Tag.flexible_layout,)}
+               if hasattr(torch.Tag, "flexible_layout")
+               and "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
 batch_norm_train = torch.library.custom_op("bnbw_native::batch_norm_train", forward_impl,
-                                           mutates_args=())
+                                           mutates_args=(), **_ANY_LAYOUT)
 
 
 @batch_norm_train.register_fake
@@ -315,7 +323,7 @@ def _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threa
 
 
 batch_norm_train_backward = torch.library.custom_op("bnbw_native::batch_norm_train_backward",
-                                                    backward_impl, mutates_args=())
+                                                    backward_impl, mutates_args=(), **_ANY_LAYOUT)
 
 
 @batch_norm_train_backward.register_fake

@@ -228,3 +228,14 @@ def test_operators_live_in_the_package_namespace():
     assert torch.ops.bnbw_native.batch_norm_train.default.name() == \
         "bnbw_native::batch_norm_train"
     assert _torch_ops.batch_norm_train._qualname == "bnbw_native::batch_norm_train"
+
+
+def test_operators_take_any_layout_a_compiler_chooses():
+    # inductor lays convolutions' outputs channels-last; without the tag it copies every
+    # input of the operators into eager mode's strides and every output back (four passes
+    # over each batch norm's tensors per step); the kernels read and write any strides
+    if not hasattr(torch.Tag, "flexible_layout"):
+        pytest.skip("this torch has no flexible_layout tag")
+    for op in (torch.ops.bnbw_native.batch_norm_train.default,
+               torch.ops.bnbw_native.batch_norm_train_backward.default):
+        assert torch.Tag.flexible_layout in op.tags
