@@ -1,10 +1,11 @@
 """The PyTorch custom operators behind bnbw_native.autograd.
 
     torch.ops.bnbw_native.batch_norm_train(x, weight, bias, running_mean, running_var,
-        factor, eps, relu, group, num_threads)
+        factor, eps, relu, group, num_threads, residual=None)
         -> (y, mean, variance, count, new_running_mean, new_running_var)
     torch.ops.bnbw_native.batch_norm_train_backward(grad_y, x, weight, mean, variance,
-        relu_out, eps, group, num_threads, input_grad) -> (grad_x, grad_weight, grad_bias)
+        relu_out, eps, group, num_threads, input_grad, residual_grad=False)
+        -> (grad_x, grad_weight, grad_bias, grad_residual)
 
 Registered with torch.library.custom_op, with fake (meta) implementations and an autograd
 formula, so eager mode, torch.compile (the graph holds the operators as opaque calls) and
@@ -26,7 +27,11 @@ kernel write them in place, the same bits.
 forward then runs in two phases with the sums all-reduced in between, as the backward does.
 `num_threads` None means torch's own thread count (torch.get_num_threads()).
 `relu`: y = max(bn(x), 0); the backward then takes y itself as `relu_out` and masks the
-gradient with it.
+gradient with it.  `residual` (with relu, no group): y = max(bn(x) + residual, 0), the add in
+the pass that writes y (torchvision's residual block's end, inside the operator so that a
+compiler has nothing left to fuse around it); the backward's `residual_grad` asks for the
+residual's gradient, the masked one, written in the pass that writes grad_x (else it is
+empty, as grad_x is unless input_grad).
 """
 import inspect
 from typing import Optional, Tuple
@@ -141,6 +146,18 @@ def _sync_sums(xs, data_format, channels, group, num_threads):
     return shift, sums, total
 
 
+def _check_residual(x, relu, group, residual):
+    """A residual is added before the ReLU of a plain (ungrouped) batch norm, one of x's shape
+    and type."""
+    if residual is None:
+        return
+    if not relu or group:
+        raise ValueError("a residual is added before the ReLU: it needs relu=True and no group")
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must have the input's shape {tuple(x.shape)} and type "
+                         f"{x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+
+
 def _check_params(x, weight, bias):
     channels = x.shape[1]
     for name, p in (("weight", weight), ("bias", bias)):
@@ -211,20 +228,38 @@ def _running(running_mean, running_var):
     return None if running_mean is None else (running_mean, running_var)
 
 
+def _forward_added(x, weight, bias, running, factor, eps, relu, group, num_threads, updated,
+                   residual):
+    """_forward, then - with a residual (relu, no group) - max(y + residual, 0): in the pass
+    that writes y when the residual can be read in x's layout (copied into it first if x is
+    dense), else as torch ops after it."""
+    fused = None if residual is None else _in_layout_of(x, residual)
+    if fused is not None and not _laid_out_like(x, fused):
+        fused = None                  # (x not dense, the residual laid out otherwise)
+    y, mean, var, count = _forward(x, weight, bias, running, factor, eps,
+                                   relu and (residual is None or fused is not None), group,
+                                   num_threads, updated, fused)
+    if residual is not None and fused is None:
+        y.add_(residual).relu_()
+    return y, mean, var, count
+
+
 def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                  running_mean: Optional[Tensor], running_var: Optional[Tensor], factor: float,
-                 eps: float, relu: bool, group: str, num_threads: Optional[int]
+                 eps: float, relu: bool, group: str, num_threads: Optional[int],
+                 residual: Optional[Tensor] = None
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Training-mode batch norm of (N, C, *) by the engine's forward: y (ReLU applied when
-    relu), the batch mean and biased variance (float32), the element count per channel
-    (int64, all ranks of the group) and the new running statistics (empty when not
-    tracked)."""
+    relu, after adding the residual when one is given), the batch mean and biased variance
+    (float32), the element count per channel (int64, all ranks of the group) and the new
+    running statistics (empty when not tracked)."""
     _check_params(x, weight, bias)
+    _check_residual(x, relu, group, residual)
     running = _running(running_mean, running_var)
     updated = None if running is None else (torch.empty_like(running[0]),
                                             torch.empty_like(running[1]))
-    y, mean, var, count = _forward(x, weight, bias, running, factor, eps, relu, group,
-                                   num_threads, updated)
+    y, mean, var, count = _forward_added(x, weight, bias, running, factor, eps, relu, group,
+                                         num_threads, updated, residual)
     if updated is None:
         updated = (mean.new_empty(0), mean.new_empty(0))
     return y, mean, var, torch.tensor(count, dtype=torch.int64), *updated
@@ -242,8 +277,10 @@ batch_norm_train = torch.library.custom_op("bnbw_native::batch_norm_train", forw
 
 
 @batch_norm_train.register_fake
-def _(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads):
+def _(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
+      residual=None):
     _check_params(x, weight, bias)
+    _check_residual(x, relu, group, residual)
     mean = x.new_empty(x.shape[1], dtype=torch.float32)
     new = ((mean.new_empty(0), mean.new_empty(0)) if running_mean is None else
            (torch.empty_like(running_mean), torch.empty_like(running_var)))
@@ -255,14 +292,20 @@ def _(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_
 
 def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor,
                   var: Tensor, relu_out: Optional[Tensor], eps: float, group: str,
-                  num_threads: Optional[int], input_grad: bool
-                  ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_weight, grad_bias) of batch_norm_train; grad_x is empty unless
-    input_grad.  The parameter gradients are this rank's (float32, whatever weight's type).
-    With relu_out (the layer's output), the engine masks the gradient with it in both
-    passes.  Without a group: one native call on the tensors' own memory."""
-    return _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads,
-                          input_grad)
+                  num_threads: Optional[int], input_grad: bool, residual_grad: bool = False
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_x, grad_weight, grad_bias, grad_residual) of batch_norm_train; grad_x is empty
+    unless input_grad, grad_residual unless residual_grad (relu_out given, no group).  The
+    parameter gradients are this rank's (float32, whatever weight's type).  With relu_out
+    (the layer's output), the engine masks the gradient with it in both passes.  Without a
+    group: one native call on the tensors' own memory."""
+    if residual_grad and (relu_out is None or group):
+        raise ValueError("the residual's gradient needs relu_out and no group")
+    # (in the layout _backward_pass reads grad_y in)
+    d_res = torch.empty_like(x, dtype=grad_y.dtype) if residual_grad else None
+    dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group,
+                                       num_threads, input_grad, d_res)
+    return dx, dgamma, dbeta, x.new_empty(0) if d_res is None else d_res
 
 
 def _laid_out_like(x, t):
@@ -327,10 +370,12 @@ batch_norm_train_backward = torch.library.custom_op("bnbw_native::batch_norm_tra
 
 
 @batch_norm_train_backward.register_fake
-def _(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad):
+def _(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
+      residual_grad=False):
     dx = torch.empty_like(x) if input_grad else x.new_empty(0)
     dgamma = x.new_empty(x.shape[1], dtype=torch.float32)
-    return dx, dgamma, torch.empty_like(dgamma)
+    d_res = torch.empty_like(x, dtype=grad_y.dtype) if residual_grad else x.new_empty(0)
+    return dx, dgamma, torch.empty_like(dgamma), d_res
 
 
 # ---- vmap ----------------------------------------------------------------------------------
@@ -355,14 +400,26 @@ batch_norm_train_backward.register_vmap(
 
 # ---- autograd ----------------------------------------------------------------------------
 
+_RESIDUAL_INPUT = 10        # batch_norm_train's residual among its inputs
+
+
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _, _, _, eps, relu, group, num_threads = inputs
+    x, weight, bias, _, _, _, eps, relu, group, num_threads = inputs[:_RESIDUAL_INPUT]
+    residual = inputs[_RESIDUAL_INPUT] if len(inputs) > _RESIDUAL_INPUT else None
     y, mean, var, _, new_mean, new_var = output
     ctx.save_for_backward(x, weight, mean, var, y if relu else None)
+    _keep_options(ctx, weight, bias, eps, group, num_threads,
+                  None if residual is None else _RESIDUAL_INPUT)
+    ctx.mark_non_differentiable(mean, var, new_mean, new_var)
+
+
+def _keep_options(ctx, weight, bias, eps, group, num_threads, residual_at):
+    """What the backward needs besides the saved tensors; residual_at: the residual's place
+    among the inputs (None: no residual)."""
     ctx.eps, ctx.group, ctx.num_threads = eps, group, num_threads
     ctx.param_types = (None if weight is None else weight.dtype,
                        None if bias is None else bias.dtype)
-    ctx.mark_non_differentiable(mean, var, new_mean, new_var)
+    ctx.residual_at = residual_at
 
 
 def _param_grads(ctx, dgamma, dbeta):
@@ -372,22 +429,27 @@ def _param_grads(ctx, dgamma, dbeta):
 
 
 def _grads(ctx, grad_y, backward, stats=()):
-    """The autograd formula: `backward` is the operator, or its implementation in eager mode;
-    the saved tensors hold the statistics unless given."""
+    """The autograd formula: (grad_x, grad_weight, grad_bias, grad_residual), None where not
+    needed; `backward` is the operator, or its implementation in eager mode; the saved
+    tensors hold the statistics unless given."""
     x, weight, *saved, y = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    if not (need_x or need_w or need_b):
-        return (None,) * len(ctx.needs_input_grad)
-    dx, dgamma, dbeta = backward(grad_y, x, weight, *(stats or saved), y, ctx.eps, ctx.group,
-                                 ctx.num_threads, need_x)
-    return ((dx if need_x else None, *_param_grads(ctx, dgamma if need_w else None,
-                                                   dbeta if need_b else None))
-            + (None,) * (len(ctx.needs_input_grad) - 3))
+    need_r = ctx.residual_at is not None and ctx.needs_input_grad[ctx.residual_at]
+    if not (need_x or need_w or need_b or need_r):
+        return None, None, None, None
+    dx, dgamma, dbeta, d_res = backward(grad_y, x, weight, *(stats or saved), y, ctx.eps,
+                                        ctx.group, ctx.num_threads, need_x, need_r)
+    return (dx if need_x else None, *_param_grads(ctx, dgamma if need_w else None,
+                                                  dbeta if need_b else None),
+            d_res if need_r else None)
 
 
 @once_differentiable
 def _backward(ctx, grad_y, _mean, _var, _count, _new_mean, _new_var):
-    return _grads(ctx, grad_y, torch.ops.bnbw_native.batch_norm_train_backward)
+    dx, dgamma, dbeta, d_res = _grads(ctx, grad_y,
+                                      torch.ops.bnbw_native.batch_norm_train_backward)
+    return ((dx, dgamma, dbeta) + (None,) * (_RESIDUAL_INPUT - 3)
+            + ((d_res,) if len(ctx.needs_input_grad) > _RESIDUAL_INPUT else ()))
 
 
 batch_norm_train.register_autograd(_backward, setup_context=_setup_context)
@@ -418,39 +480,21 @@ class EagerLayerStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running, options):
         factor, eps, relu, group, num_threads = options       # (few arguments: apply is faster)
-        fused = None if residual is None else _in_layout_of(x, residual)
-        if fused is not None and not _laid_out_like(x, fused):
-            fused = None                  # (x not dense, the residual laid out otherwise)
-        y, mean, var, _ = _forward(x, weight, bias, running, factor, eps,
-                                   relu and (residual is None or fused is not None), group,
-                                   num_threads, running, fused)
+        y, mean, var, _ = _forward_added(x, weight, bias, running, factor, eps, relu, group,
+                                         num_threads, running, residual)
         if running is not None and not group:    # written by the kernel, as by torch's op
             torch.autograd.graph.increment_version(running)
-        if residual is not None and fused is None:
-            y.add_(residual).relu_()
         ctx.save_for_backward(x, weight, y if relu else None)
         ctx.stats = (mean, var)
-        ctx.eps, ctx.group, ctx.num_threads = eps, group, num_threads
-        ctx.param_types = (None if weight is None else weight.dtype,
-                           None if bias is None else bias.dtype)
-        ctx.residual = residual is not None
+        _keep_options(ctx, weight, bias, eps, group, num_threads,
+                      None if residual is None else 3)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        if not ctx.residual:
-            return _grads(ctx, grad_y, _backward_pass, ctx.stats)
-        x, weight, y = ctx.saved_tensors
-        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
-        if not (need_x or need_w or need_b or need_r):
-            return (None,) * 6
-        d_res = torch.empty_like(x, dtype=grad_y.dtype)     # the layout _backward_pass reads
-        dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, *ctx.stats, y, ctx.eps, "",
-                                           ctx.num_threads, need_x, d_res)
-        return ((dx if need_x else None, *_param_grads(ctx, dgamma if need_w else None,
-                                                       dbeta if need_b else None),
-                 d_res if need_r else None) + (None,) * 2)
+        dx, dgamma, dbeta, d_res = _grads(ctx, grad_y, backward_impl, ctx.stats)
+        return dx, dgamma, dbeta, d_res, None, None
 
 
 def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
@@ -458,14 +502,15 @@ def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, 
     """y of batch_norm_train with its autograd formula, the running statistics updated in
     place: EagerLayerStep in plain eager mode; else the operator (the graph holds it when
     compiling), through BatchNormTrain under torch.func transforms, its new running
-    statistics then stored.  A residual (with relu): y = max(bn(x) + residual, 0), in one
-    backward pass in eager mode, as torch ops around the operator otherwise."""
+    statistics then stored.  A residual (with relu): y = max(bn(x) + residual, 0), inside
+    the operator (as torch ops around it over a process group)."""
     if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
         return EagerLayerStep.apply(x, weight, bias, residual,
                                     _running(running_mean, running_var),
                                     (factor, eps, relu, group, num_threads))
+    inside = residual if relu and not group else None
     args = (x, weight, bias, running_mean, running_var, factor, eps,
-            relu and residual is None, group, num_threads)
+            relu and (residual is None or inside is not None), group, num_threads, inside)
     if torch.compiler.is_compiling():
         y, _, _, _, new_mean, new_var = torch.ops.bnbw_native.batch_norm_train(*args)
     else:
@@ -474,4 +519,4 @@ def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, 
         with torch.no_grad():
             running_mean.copy_(new_mean)
             running_var.copy_(new_var)
-    return y if residual is None else torch.relu(y + residual)
+    return y if residual is None or inside is not None else torch.relu(y + residual)

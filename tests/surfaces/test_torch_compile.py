@@ -98,8 +98,9 @@ class Block(torch.nn.Module):
 
 
 def test_aot_eager_of_a_model_fused_in_its_forward_equals_eager():
-    # the traced model's BatchNormReLU and BatchNormAddReLU compiled: the operators, and
-    # torch's add and ReLU around the second, give eager's bits
+    # the traced model's BatchNormReLU and BatchNormAddReLU compiled: the operators give
+    # eager's bits, the residual's add and its ReLU inside the second (nothing left around
+    # it for a compiler to fuse: no add, ReLU or mask of the ReLU in either graph)
     torch._dynamo.reset()
     eager = bag.convert_batchnorm(Block(), fuse_relu=True)
     assert type(eager.bn1) is bag.BatchNormReLU and type(eager.bn2) is bag.BatchNormAddReLU
@@ -110,6 +111,10 @@ def test_aot_eager_of_a_model_fused_in_its_forward_equals_eager():
     for _ in range(2):
         compare(step(fn, x), step(eager, x), tol=0)
     assert graphs["forward"].count("bnbw_native.batch_norm_train.default") == 2
+    assert graphs["backward"].count("bnbw_native.batch_norm_train_backward.default") == 2
+    for op in ("aten.relu", "aten.threshold_backward", "aten.where"):
+        assert op not in graphs["forward"] + graphs["backward"], op
+    assert graphs["forward"].count("aten.add") == 2        # num_batches_tracked, twice
 
 
 def test_aot_eager_channels_last_and_dynamic_batch():
@@ -196,6 +201,17 @@ def test_opcheck(channels_last, relu):
         torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train_backward.default,
                               (torch.randn(y.shape, generator=g), x.detach(), w.detach(),
                                mean, var, y if relu else None, 1e-5, "", None, input_grad))
+    if relu:                      # the residual added before the ReLU, and its gradient
+        residual = torch.randn(x.shape, generator=g).contiguous(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train.default,
+                              args + (residual.requires_grad_(),))
+        y = torch.ops.bnbw_native.batch_norm_train(*(a.detach() if torch.is_tensor(a) else a
+                                                     for a in args), residual.detach())[0]
+        for input_grad in (True, False):
+            torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train_backward.default,
+                                  (torch.randn(y.shape, generator=g), x.detach(), w.detach(),
+                                   mean, var, y, 1e-5, "", None, input_grad, True))
 
 
 def test_operator_autograd_equals_the_layer():
