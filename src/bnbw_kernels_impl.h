@@ -588,7 +588,7 @@ BNBW_INLINE int k__packs(const bnbw_io *io, const bnbw_run *run, int64_t n, int 
     return s;
 }
 
-/* FN(s, args) with s a constant (1, 2 or 3), so that its spreads and folds unroll; 0 for s 0. */
+/* FN(s, args) with s a constant (1 to 4), so that its spreads and folds unroll; 0 for s 0. */
 #define K__PACKED(FN, S, ...)                                                              \
     ((S) == 1 ? FN(1, __VA_ARGS__) : (S) == 2 ? FN(2, __VA_ARGS__)                          \
      : (S) == 3 ? FN(3, __VA_ARGS__) : (S) == 4 ? FN(4, __VA_ARGS__) : 0)
