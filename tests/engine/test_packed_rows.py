@@ -19,6 +19,7 @@ import pytest
 
 from bnbw_native import _arrays, tuning
 from bnbw_native._onednn_graph import FORWARD, GRAPH
+from bnbw_native._plan import BLOCK_ELEMENTS
 from conftest import BF16, bodies, kernels
 
 EPS = 1e-5
@@ -28,14 +29,22 @@ DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
 # (C = 1 would not do: its dim is dropped and the dense rows merge into one, the padded not)
 SHAPES = [(5, 16, 2), (3, 9, 2), (4, 12, 4), (7, 7, 4), (3, 10, 8), (6, 3, 8), (2, 2, 4),
           (3, 5, 16), (2, 2, 16)]
+# channels of just over and just under two reduction blocks (and of a block and a row), so that
+# packed runs start and end at a block's edge; for every kind of schedule, a cache too small
+# for fused groups and one large enough
+BLOCK_SHAPES = [(2 * BLOCK_ELEMENTS // 4 + 1, 3, 4), (2 * BLOCK_ELEMENTS // 4 - 1, 3, 4),
+                (BLOCK_ELEMENTS // 8 + 1, 5, 8), (BLOCK_ELEMENTS // 16 + 1, 3, 16)]
+CACHE_MODELS = [(1 << 10, 1 << 12, 64), (8 << 20, 1 << 30, 2)]
 
 
 @pytest.fixture(autouse=True)
 def every_team():
     """Small calls reach every thread count (the work floor would keep them on one thread)."""
     before = tuning.set_thread_work_floor(0)
+    cache = tuning.cache_model()
     yield
     tuning.set_thread_work_floor(before)
+    tuning.set_cache_model(*cache)
 
 
 def _padded(a):
@@ -131,3 +140,53 @@ def test_packed_rows_match_the_float64_reference(rng):
                * (g - g.sum(axis=(0, 2))[:, None] / m
                   - xhat * (g * xhat).sum(axis=(0, 2))[:, None] / m))
     np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-4)
+
+
+def _outliers_at_block_edges(x):
+    """x with one far value at the first and last element of each channel and of its second
+    block: a sum folded across the wrong lanes or blocks moves visibly."""
+    n = x.shape[0] * x.shape[2]
+    for c in range(x.shape[1]):
+        flat = x[:, c].reshape(-1)
+        for at in (0, BLOCK_ELEMENTS - 1, BLOCK_ELEMENTS, n - 1):
+            if at < n:
+                flat[at] = 5003.0
+        x[:, c] = flat.reshape(x.shape[0], x.shape[2])
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=str)
+def test_packed_rows_across_reduction_blocks_are_the_row_kernels(rng, dtype, shape):
+    x, dy, residual, stats = _problem(rng, shape, dtype)
+    x = _outliers_at_block_edges(x)
+    y = _forward(x, stats, True, 1)[0]
+    schedules = set()
+    for model in CACHE_MODELS:
+        tuning.set_cache_model(*model)
+        for body in bodies():
+            with kernels(body):
+                for threads in (1, 2, 3):
+                    for formula in ("forward", "training"):
+                        schedules.add(tuning.describe(x, "NCX", formula=formula,
+                                                      num_threads=threads)["schedule"])
+                    for relu, res in ((False, None), (True, residual)):
+                        packed = _forward(x, stats, relu, threads, res)
+                        rows = _forward(_padded(x), stats, relu, threads,
+                                        None if res is None else _padded(res))
+                        for a, b in zip(packed, rows):
+                            _same(a, b)
+                    for formula, mask, exact in itertools.product(
+                            (_arrays.TRAINING, _arrays.FROZEN), (None, y > 0), (False, True)):
+                        dres = [None, None] if mask is None else [np.empty_like(dy),
+                                                                  np.empty_like(dy)]
+                        packed = _backward(formula, x, dy, stats, threads, mask, dres[0], exact)
+                        rows = _backward(formula, _padded(x), _padded(dy), stats, threads,
+                                         None if mask is None else _padded(mask), dres[1],
+                                         exact)
+                        for a, b in zip(packed, rows):
+                            if a is not None:
+                                _same(a, b)
+                        if mask is not None:
+                            _same(dres[0], dres[1])
+    assert {"major-sweep", "major-sweep-fused"} <= schedules
