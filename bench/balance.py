@@ -2,8 +2,9 @@
 
 For every shape of a group (default: the ResNet-50 and MobileNet-v2 batch norms at batch 50),
 each memory layout and thread count, prints the schedule the engine picks, its work items and
-the busiest thread's share of them relative to the mean (1.00 = perfectly even; items are
-equal-sized and handed out dynamically, so the busiest thread gets ceil(items / threads)).
+the busiest thread's share of the work relative to the mean (1.00 = perfectly even): the
+elements of its run of items where the schedule reports them (the split schedules), else
+ceil(items / threads) equal items.
 The cache model is this machine's unless --l2/--l3/--sharers say otherwise.
 
     python bench/balance.py --threads 8,16,64 [--shapes RESNET50_B50] [--l2 1M --l3 32M]
@@ -51,7 +52,9 @@ def main(argv=None):
                 for t in threads:
                     facts = describe(shape, data_format, t)
                     items, used = facts["items"], facts["threads"]
-                    share = -(-items // used) / (items / used)
+                    runs = facts.get("thread_elements")
+                    share = (max(runs) * used / sum(runs) if runs
+                             else -(-items // used) / (items / used))
                     worst[t] = max(worst[t], share)
                     cells.append(f"{facts['schedule']:>17s} {items:5d} {used:3d} {share:4.2f}")
                 print(f"{name:16s} {data_format:6s} " + " ".join(cells))

@@ -25,7 +25,7 @@ from bnbw_native._headers cimport (
     bnbw_cpu_body, bnbw_set_body_cap, bnbw_body_name, bnbw_omp_max_threads, bnbw_omp_num_procs,
     bnbw_openmp_version, bnbw_half_simd_path)
 from bnbw_native._plan cimport plan_build, plan_free
-from bnbw_native._schedules cimport Schedule, schedule_choose
+from bnbw_native._schedules cimport Schedule, schedule_choose, run_elements, SCHED_LAST_SPLIT
 from bnbw_native._execute cimport execute
 from bnbw_native._formulas cimport forward_recentre, forward_coefficients, running_statistic
 
@@ -181,6 +181,9 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
             "stream_dx": bool(s.stream_dx),
             "group": s.group,
             "items": s.items,
+            # the split: the elements of each thread's run of items
+            "thread_elements": ([int(run_elements(&p, &s, t)) for t in range(s.nthreads)]
+                                if s.kind == SCHED_LAST_SPLIT else None),
         }
     finally:
         plan_free(&p)

@@ -38,7 +38,7 @@ from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_
                                     running_statistic)
 from bnbw_native._schedules cimport (
     Schedule, SCHED_NOTHING, SCHED_LAST_SPLIT, SCHED_LAST_SLAB, SCHED_MAJOR_SWEEP,
-    SCHED_MAJOR_SWEEP_FUSED, SCHED_MAJOR_CHANNEL_FUSED, TILE, COMBINE_CHUNK)
+    SCHED_MAJOR_SWEEP_FUSED, SCHED_MAJOR_CHANNEL_FUSED, TILE, COMBINE_CHUNK, first_item)
 
 
 cdef extern from *:
@@ -155,6 +155,20 @@ cdef void run_items(const Work *w, ItemFn item, int64_t n) noexcept nogil:
     else:
         for i in prange(n, num_threads=nt, schedule='static'):
             item(w, i)
+
+
+cdef void run_split_items(const Work *w, ItemFn item) noexcept nogil:
+    """item(w, i) for every item of LAST_SPLIT, each thread on its run of equal work
+    (first_item): items of unequal size - a short last block - balance too."""
+    cdef int64_t i
+    cdef int t, nt = w.s.nthreads
+    if nt <= 1:
+        for i in range(w.s.items):
+            item(w, i)
+    else:
+        for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
+            for i in range(first_item(w.p, w.s, t), first_item(w.p, w.s, t + 1)):
+                item(w, i)
 
 
 # ---------------------------------------------------------------------------------------
@@ -650,7 +664,9 @@ cdef void _nthreads_one_combine(const Work *w) noexcept nogil:
 cdef void _pass(Work *w, int what) noexcept nogil:
     """One pass of a split schedule over every block of the plan."""
     w.what = what
-    if w.s.kind == SCHED_LAST_SPLIT or w.s.kind == SCHED_MAJOR_SWEEP:
+    if w.s.kind == SCHED_LAST_SPLIT:
+        run_split_items(w, _group_item)
+    elif w.s.kind == SCHED_MAJOR_SWEEP:
         run_items(w, _group_item, w.s.items)
     else:
         run_items(w, _major_item, w.s.items)

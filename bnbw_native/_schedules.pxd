@@ -27,8 +27,12 @@ ctypedef struct Schedule:
     int64_t group              # channels per item (channel-last slices, sweeps, fused groups)
     int64_t ngroups
     int64_t items              # work items of the first pass
+    bint weighted_runs         # LAST_SPLIT: threads take runs of equal elements (first_item),
+                               # else of equal item counts
     int64_t partial_doubles    # the block sums it keeps (at most the plan's scratch holds)
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil
+cdef int64_t first_item(const Plan *p, const Schedule *s, int t) noexcept nogil
+cdef double run_elements(const Plan *p, const Schedule *s, int t) noexcept nogil
 # What schedule_choose assumes of the machine (read at import; tests may set them)
 cdef int64_t cache_l2_bytes, cache_l3_bytes, cache_l3_sharers

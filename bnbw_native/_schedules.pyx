@@ -10,9 +10,10 @@ and on how many threads, never changes a bit.
     LAST_SPLIT           channel-last (NXC).  Items are (row block, channel slice): a reduce
                          pass writes each block's sums to its own partial arrays, the block sums
                          are combined per channel in block order (in parallel over channels),
-                         then an apply pass.  Slices are whole 128-byte lines of a row, as wide
-                         as leaves about four items per thread.  Frozen statistics write dx in
-                         the reduce pass.
+                         then an apply pass.  Each thread takes a run of items holding an
+                         equal share of the elements; slices are whole rows where such runs
+                         balance, else whole 128-byte lines of a row, as wide as balances them.
+                         Frozen statistics write dx in the reduce pass.
     LAST_SLAB            channel-last training (and the forward), one row block, or one thread
                          whose x and dy fit its L2: one item is a slab, a slice of whole lines
                          of every row, that it reduces block by block, combines and applies
@@ -43,7 +44,7 @@ from bnbw_native._headers cimport BNBW_EXACT_SUMS, BNBW_BLOCKS, BNBW_BLOCKS_EVEN
 cdef enum:
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
-    ITEMS_PER_THREAD = 4  # split schedules: items per thread, for balance
+    ITEMS_PER_THREAD = 4  # channel-major sweeps: items per thread, for balance
     ROW_SHARE = 512       # bytes: the least share of a channel-last row a thread takes
     FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
     STREAM_ROW_MIN = 8192 # bytes: the shortest channel-major dx row written past the caches
@@ -140,6 +141,57 @@ cdef bint _balanced(int64_t items, int nt) noexcept nogil:
     return items >= nt and 8 * ((items + nt - 1) // nt) * nt <= 9 * items
 
 
+cdef inline double _work_before(const Plan *p, const Schedule *s, int64_t i) noexcept nogil:
+    """Elements of the items before item i of LAST_SPLIT: row blocks in turn, each in its
+    slices of s.group channels (the last block and the last slice may be shorter)."""
+    cdef int64_t b = i // s.ngroups, g = i % s.ngroups
+    cdef int64_t before = imin(b * p.block, p.count)
+    cdef int64_t rows = imin(p.block, p.count - before)
+    return <double> before * p.channels + <double> rows * imin(g * s.group, p.channels)
+
+
+cdef int64_t first_item(const Plan *p, const Schedule *s, int t) noexcept nogil:
+    """The first of thread t's items in LAST_SPLIT on s.nthreads threads: each item goes to the
+    thread whose equal share of the elements holds its middle, so that threads take runs of
+    items of equal work, however unequal the items (a short last block, a narrow last slice).
+    Where that would leave a thread idle (items as large as a share), runs of equal counts.
+    Which thread runs an item never changes a bit."""
+    cdef int64_t lo = 0, hi = s.items, mid
+    cdef int nt = s.nthreads
+    cdef double total = <double> p.count * p.channels
+    if t <= 0:
+        return 0
+    if t >= nt:
+        return s.items
+    if not s.weighted_runs:
+        return t * s.items // nt
+    while lo < hi:         # the first item whose middle lies in thread t's share or later
+        mid = (lo + hi) // 2
+        if (_work_before(p, s, mid) + _work_before(p, s, mid + 1)) * nt >= 2.0 * t * total:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+cdef double run_elements(const Plan *p, const Schedule *s, int t) noexcept nogil:
+    """Elements of thread t's run of items (first_item)."""
+    return (_work_before(p, s, first_item(p, s, t + 1))
+            - _work_before(p, s, first_item(p, s, t)))
+
+
+cdef bint _balanced_work(const Plan *p, const Schedule *s) noexcept nogil:
+    """Whether first_item's runs keep every thread busy and the busiest within an eighth of
+    the mean."""
+    cdef int t, nt = s.nthreads
+    cdef double total = <double> p.count * p.channels, share
+    for t in range(nt):
+        share = run_elements(p, s, t)
+        if share <= 0 or 8.0 * share * nt > 9.0 * total:
+            return False
+    return True
+
+
 cdef bint _slab(const Plan *p, Schedule *s) noexcept nogil:
     """LAST_SLAB where it reads nothing the split would not: a call of one row block, whose
     rows the split cuts between threads alike (slabs then spare it two parallel regions), or
@@ -167,12 +219,12 @@ cdef bint _slab(const Plan *p, Schedule *s) noexcept nogil:
 
 
 cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
-    """LAST_SPLIT with slices of whole lines leaving about ITEMS_PER_THREAD balanced items per
-    thread.  The row blocks are the plan's: the slice width never changes a sum (each channel
-    is one lane of the kernels)."""
+    """LAST_SPLIT: items (row block, slice of whole lines), the threads' runs of them balanced
+    by the elements they hold (first_item).  The row blocks are the plan's: the slice width
+    never changes a sum (each channel is one lane of the kernels)."""
     cdef int64_t C = p.channels, isz = itemsize(p.big_dtype)
     cdef int64_t line = LINE // isz, width
-    cdef int nt = s.nthreads
+    cdef int t, nt = s.nthreads
     cdef bint sums = (op & OP_REDUCE) != 0
     s.partial_doubles = p.partial_stride * p.nblocks if sums else 0
     s.kind = SCHED_LAST_SPLIT
@@ -185,18 +237,23 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
         s.nthreads = nt
     if sums and op & OP_DX and applies_after_sums(op) and _slab(p, s):
         return
+    # Whole rows where the threads' runs of blocks balance; else slices of whole lines, as
+    # wide as balance them (a short last block weighs what it holds)
+    s.weighted_runs = True
     width = imin(C, TILE)
-    if nt > 1 and p.nblocks * ((C + width - 1) // width) < ITEMS_PER_THREAD * nt:
-        width = (C * p.nblocks + ITEMS_PER_THREAD * nt - 1) // (ITEMS_PER_THREAD * nt)
-        width = (width + line - 1) // line * line
-        width = imin(imin(width, C), TILE)
-        while width > line and not _balanced(p.nblocks * ((C + width - 1) // width), nt):
-            width -= line
-    s.group = width
-    s.ngroups = (C + width - 1) // width
-    s.items = p.nblocks * s.ngroups
+    while True:
+        s.group = width
+        s.ngroups = (C + width - 1) // width
+        s.items = p.nblocks * s.ngroups
+        if nt <= 1 or width <= line or _balanced_work(p, s):
+            break
+        width = (width - 1) // line * line if width % line else width - line
     if s.nthreads > s.items:
         s.nthreads = <int> s.items if s.items > 0 else 1
+    for t in range(s.nthreads):
+        if run_elements(p, s, t) <= 0:
+            s.weighted_runs = False
+            break
 
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil:
@@ -211,6 +268,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.group = 1
     s.ngroups = 0
     s.items = 0
+    s.weighted_runs = False
     s.partial_doubles = 0
     if p.empty or not (sums or dx):
         s.kind = SCHED_NOTHING

@@ -91,14 +91,16 @@ def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, d
         assert "last-slab" in schedules and ("last-split" in schedules or blocks == 1)
 
 
-@pytest.mark.parametrize("threads", [8, 16, 64])
+@pytest.mark.parametrize("threads", [2, 3, 8, 16, 64])
 @pytest.mark.parametrize("data_format", ["NXC", "NCX"])
 def test_threads_get_balanced_work_on_network_shapes(bench, cache_model, threads, data_format):
     """On every batch-norm shape of ResNet-50 and MobileNet-v2 at batch 50, a training call on
-    8, 16 or 64 threads splits into items enough for every thread that has 32 K elements to
-    work on, and wherever the rows and whole lines of channels make four items per thread,
-    the items (equal-sized, handed out dynamically) split evenly enough that the busiest
-    thread does at most a quarter more than the mean."""
+    2 to 64 threads splits into items enough for every thread that has 32 K elements to work
+    on.  The split schedules hand each thread a run of items holding within an eighth of the
+    mean's elements, however unequal the items (a short last block), unless their slices are
+    already one line wide; the fused ones, wherever
+    the rows make four items per thread, split evenly enough that the busiest thread does at
+    most a quarter more than the mean."""
     cache_model(*SMALL_CACHE)
     shapes, items_of = bench.shapes, bench.balance.describe    # the schedule a call gets
     for name, nchw in {**shapes.RESNET50_B50, **shapes.MOBILENETV2_B50}.items():
@@ -107,9 +109,35 @@ def test_threads_get_balanced_work_on_network_shapes(bench, cache_model, threads
         items, used = facts["items"], facts["threads"]
         worth = min(threads, int(np.prod(shape)) // 32768)
         assert used == min(threads, items) and items >= worth, (name, facts)
+        runs = facts["thread_elements"]
+        if runs is not None:
+            assert len(runs) == used and sum(runs) == int(np.prod(shape)), (name, facts)
+            assert min(runs) > 0, (name, facts)
+            # (slices of one 128-byte line cannot be cut finer)
+            assert (8 * max(runs) * used <= 9 * sum(runs)
+                    or facts["group"] == min(32, facts["channels"])), (name, facts)
+            continue
         busiest = -(-items // used)
         if items >= 4 * used:
             assert busiest <= 1.25 * items / used, (name, facts)
+
+
+@pytest.mark.parametrize("rows", [1665, 1666, 1700, 2450, 3136, 784])
+@pytest.mark.parametrize("channels", [160, 512, 100])
+def test_split_runs_weigh_a_short_last_block_by_what_it_holds(channels, rows):
+    """Channel-last calls whose last row block is short (or nearly empty) still give every
+    thread a run of items within an eighth of the mean's elements: whole rows where the blocks
+    allow it, else slices of whole 128-byte lines."""
+    x = np.empty((rows, channels), np.float32)
+    for threads in (2, 3, 4):
+        facts = describe(x, "NXC", num_threads=threads)
+        if facts["schedule"] != "last-split":
+            continue
+        runs, used = facts["thread_elements"], facts["threads"]
+        assert sum(runs) == rows * channels and len(runs) == used, facts
+        assert min(runs) > 0, facts
+        assert 8 * max(runs) * used <= 9 * sum(runs) or facts["group"] == 32, facts
+        assert facts["group"] == channels or facts["group"] % 32 == 0, facts
 
 
 # ---- the plan and schedule a call gets (what _arrays.describe says) ------------------------
