@@ -301,8 +301,11 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         if p.whole_rows:
             s.kind = SCHED_MAJOR_SWEEP_FUSED
             # channels per item: as many as keep the group's x and dy within this thread's
-            # share of the cache (FUSE_MIN at least), and at least two items per thread
-            budget = cache_share(s.nthreads)
+            # share of the cache (FUSE_MIN at least), and at least two items per thread.
+            # Rows of STREAM_ROW_MIN bytes or more are streams of their own: their groups keep
+            # to the L2, which no other core or process shares
+            budget = (cache_l2_bytes if p.inner_size * itemsize(p.big_dtype) >= STREAM_ROW_MIN
+                      else cache_share(s.nthreads))
             if budget < FUSE_MIN:
                 budget = FUSE_MIN
             g = budget // (2 * itemsize(p.big_dtype) * p.count)

@@ -172,6 +172,23 @@ def test_describe_names_the_schedule(cache_model, shape, data_format, threads, f
                                "channel-last" if data_format == "NXC" else "channel-major")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_groups_of_long_rows_keep_to_the_l2(cache_model, threads):
+    """Channel-major rows of 8 KiB or more group so that a group's x and dy fit the thread's
+    L2; shorter rows count the thread's part of the L3 too (cache model: 1 MiB L2, 64 MiB L3
+    for 2 CPUs)."""
+    l2 = 1 << 20
+    cache_model(l2, 64 << 20, 2)
+    long_rows = np.zeros((8, 64, 48, 48), np.float32)        # 9 KiB rows
+    facts = describe(long_rows, "NCX", num_threads=threads)
+    assert facts["schedule"] == "major-sweep-fused", facts
+    assert facts["group"] * 2 * 4 * facts["count"] <= l2, facts
+    short_rows = np.zeros((8 * 9, 64, 16, 16), np.float32)   # 1 KiB rows, the same count
+    facts = describe(short_rows, "NCX", num_threads=threads)
+    assert facts["schedule"] == "major-sweep-fused", facts
+    assert facts["group"] * 2 * 4 * facts["count"] > l2, facts
+
+
 def test_describe_reports_threads_sums_and_temporaries():
     x = np.zeros((4, 3, 8, 8), np.float16)
     facts = describe(x, "NCX", num_threads=2)
