@@ -6,7 +6,8 @@ caches of the machine.  The reduction's partition (the plan's row blocks) depend
 tensors only, so every choice must give the same bits: each call below runs under several
 cache models (which switch between fused and split schedules and change slice widths) and
 thread counts, more threads than this machine has cores included, and is compared with the
-one-thread split call bit for bit.  The schedules' own balance - how many items each of 8, 16
+one-thread split call bit for bit; x holds far values at each channel's first element, at the
+first element of its second reduction block and at its last.  The schedules' own balance - how many items each of 8, 16
 and 64 threads gets - is checked on the network shapes of the benchmark, and the engine's own
 account of a call (_arrays.describe: its layout, schedule, threads, sums and temporaries) is
 checked on calls whose schedule is known.
@@ -34,6 +35,8 @@ CASES = [  # shape, data_format
     ((16, 48, 9, 9), "NCX"),
     ((2, 6, 5000), "NCX"),                 # rows longer than a kernel call's piece
     ((3, 4100), "NXC"),                    # one row block, slabs on both sides of TILE
+    ((34, 7, 7, 160), "NXC"),              # row blocks of 832, 832 and 2 rows: runs of equal
+    ((16, 7, 7, 512), "NXC"),              # work, not of equal counts (256 x 3 and 16 rows)
 ]
 
 
@@ -56,7 +59,26 @@ def _problem(rng, shape, data_format, dtype):
     y = rng.standard_normal(shape) > 0
     stats = [rng.standard_normal(C).astype(np.float32), (rng.random(C) + 0.5).astype(np.float32),
              rng.standard_normal(C).astype(np.float32)]
-    return x, dy, y, stats
+    return _outliers(x, data_format), dy, y, stats
+
+
+def _outliers(x, data_format):
+    """x with a far value in every channel at its first element, at the first element of its
+    second reduction block and at its last: a block summed out of turn, or by two threads,
+    moves the bits."""
+    facts = tuning.describe(x, data_format)
+    if data_format == "NXC":
+        rows = x.reshape(-1, x.shape[-1])
+        step = facts.get("rows_per_block", len(rows))
+    else:
+        rows = np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])    # a copy, visiting order
+        step = facts.get("block", len(rows))
+    for at in (0, step, len(rows) - 1):
+        if at < len(rows):
+            rows[at] = 5003.0
+    if data_format != "NXC":
+        x[...] = np.moveaxis(rows.reshape(np.moveaxis(x, 1, -1).shape), -1, 1)
+    return x
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
