@@ -8,9 +8,9 @@ cache models (which switch between fused and split schedules and change slice wi
 thread counts, more threads than this machine has cores included, and is compared with the
 one-thread split call bit for bit; x holds far values at each channel's first element, at the
 first element of its second reduction block and at its last.  The schedules' own balance -
-how many items each of 8, 16 and 64 threads gets - is checked on the network shapes of the benchmark, and the engine's own
-account of a call (_arrays.describe: its layout, schedule, threads, sums and temporaries) is
-checked on calls whose schedule is known.
+how much work each of 2 to 64 threads gets - is checked on the network shapes of the
+benchmark, and the engine's own account of a call (_arrays.describe: its layout, schedule,
+threads, sums and temporaries) is checked on calls whose schedule is known.
 """
 import numpy as np
 import pytest
