@@ -138,6 +138,32 @@ def network_totals(rows):
     return out
 
 
+def fair_summary(rows):
+    """Each row against the faster fair peer: the fastest of the peers that ran on memory they
+    reuse (torch with reused blocks, compiled torch, oneDNN) divided by ours, > 1 where ours is
+    faster; rows that no such peer ran are left out.  [((formula, dtype, layout, threads),
+    stats)]: the rows' geometric mean, the worst row and its case, how many rows reach 1.0 and
+    1.3, and their median % of the two-pass roofline."""
+    groups = {}
+    for row in rows:
+        peers = [t for t in (row.torch_ms, row.torch_compiled_ms, row.onednn_ms) if t]
+        if peers and row.ours_ms > 0:
+            key = (row.formula, row.dtype, row.layout, row.threads)
+            groups.setdefault(key, []).append((min(peers) / row.ours_ms, row))
+    out = []
+    for key in sorted(groups):
+        members = groups[key]
+        ratios = np.array([ratio for ratio, _ in members])
+        worst, worst_row = min(members, key=lambda m: m[0])
+        out.append((key, {"rows": len(members), "geomean": float(np.exp(np.log(ratios).mean())),
+                          "min": float(worst), "min_case": worst_row.case,
+                          "at_least_1": int((ratios >= 1.0).sum()),
+                          "at_least_1_3": int((ratios >= 1.3).sum()),
+                          "roofline_pct": float(np.median([r.roofline_pct
+                                                           for _, r in members]))}))
+    return out
+
+
 def onednn_implementations(rows):
     """{implementation oneDNN chose: number of rows}, "unsupported" included."""
     found = {}

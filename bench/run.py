@@ -70,8 +70,8 @@ from machine import L2_BYTES, L3_BYTES, available_cores, machine_info  # noqa: E
 from memory import peak_memory  # noqa: E402
 from overhead import call_overhead  # noqa: E402
 from report import (WEAK_CACHE_SPEEDUP, WEAK_DRAM_PCT, class_bandwidth,  # noqa: E402
-                    fmt_ratio, network_totals, onednn_implementations, plot, weak_rows,
-                    weak_summary, write_json)
+                    fair_summary, fmt_ratio, network_totals, onednn_implementations, plot,
+                    weak_rows, weak_summary, write_json)
 from runner import ALL_PEERS, PEERS, TORCH_COLUMNS, Runner  # noqa: E402
 from timing import FULL, QUICK  # noqa: E402
 import torch_cache  # noqa: E402
@@ -321,6 +321,16 @@ def main(argv=None):
                    if "torch-compiled" in runner.peers else "") +
                   f"xonednn {fmt_ratio(e['vs_onednn'])}")
 
+    fair = fair_summary(rows)
+    if fair:
+        print("\nagainst the faster fair peer (torch with reused blocks, compiled torch, "
+              "oneDNN: its ms / ours): geometric mean (worst row), rows >= 1.0 and >= 1.3, "
+              "median % of the two-pass roofline:")
+        for (formula, dtype, layout, thr), s in fair:
+            print(f"  {formula:<12} {dtype:<4} {layout:<7} thr {thr}: {s['geomean']:5.2f} "
+                  f"(min {s['min']:.2f}, {s['min_case']}), >= 1.0: {s['at_least_1']}/"
+                  f"{s['rows']}, >= 1.3: {s['at_least_1_3']}, roofline {s['roofline_pct']:.0f}%")
+
     t0 = perf_counter()
     overhead = call_overhead(rounds=5 if args.quick else 9, number=300 if args.quick else 2000,
                              onednn=runner.onednn)
@@ -382,6 +392,8 @@ def main(argv=None):
                         "forward": OUTPUT_NAMES["forward"]},
         "tolerance": TOLERANCE, "bandwidth": bw, "bandwidth_per_class": per_class,
         "onednn_implementations": impls, "networks": networks,
+        "fair": [dict(zip(("formula", "dtype", "layout", "threads"), key), **stats)
+                 for key, stats in fair],
         "rows": [asdict(r) for r in rows], "overhead": overhead, "memory": memory,
         "weak": [{"case": r.case, "layout": r.layout, "dtype": r.dtype, "formula": r.formula,
                   "threads": r.threads, "body": r.body, "why": why} for r, why in weak],

@@ -201,6 +201,26 @@ def test_network_totals_weigh_each_shape_by_its_layers(rows):
     assert totals["forward"]["ours_ms"] == 0.5 * 53 and totals["forward"]["vs_onednn"] == 2
 
 
+def test_fair_summary_takes_the_faster_fair_peer_of_each_row(rows):
+    base = replace(rows[0], formula="training", dtype="f32", layout="NXC", threads=2,
+                   torch_alloc_ms=0.01, torch_compiled_ms=None)
+    fake = [replace(base, case="a", ours_ms=1.0, torch_ms=2.0, onednn_ms=1.5, roofline_pct=80),
+            replace(base, case="b", ours_ms=2.0, torch_ms=1.0, onednn_ms=None, roofline_pct=90),
+            replace(base, case="c", ours_ms=1.0, torch_ms=3.0, onednn_ms=4.0,
+                    torch_compiled_ms=1.2, roofline_pct=100),
+            replace(base, case="d", ours_ms=1.0, torch_ms=None, onednn_ms=None),   # no peer
+            replace(base, case="e", layout="NCX", ours_ms=1.0, torch_ms=4.0, onednn_ms=None)]
+    summary = dict(report.fair_summary(fake))
+    assert set(summary) == {("training", "f32", "NXC", 2), ("training", "f32", "NCX", 2)}
+    nxc = summary[("training", "f32", "NXC", 2)]
+    # ratios 1.5 (oneDNN), 0.5 (torch), 1.2 (compiled torch); torch allocating never counts
+    assert nxc["rows"] == 3 and nxc["min_case"] == "b" and nxc["min"] == 0.5
+    assert np.isclose(nxc["geomean"], (1.5 * 0.5 * 1.2) ** (1 / 3))
+    assert nxc["at_least_1"] == 2 and nxc["at_least_1_3"] == 1 and nxc["roofline_pct"] == 90
+    assert summary[("training", "f32", "NCX", 2)]["geomean"] == 4.0
+    assert report.fair_summary([fake[3]]) == []
+
+
 def test_plot_written(rows, tmp_path):
     pytest.importorskip("matplotlib")
     report.plot(rows[:8], str(tmp_path / "out.png"))
