@@ -491,10 +491,32 @@ class EagerLayerStep(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_y):
-        dx, dgamma, dbeta, d_res = _grads(ctx, grad_y, backward_impl, ctx.stats)
-        return dx, dgamma, dbeta, d_res, None, None
+        if torch.is_grad_enabled():     # create_graph: a second derivative must fail loudly
+            return _eager_grads_once(ctx, grad_y)
+        return _eager_grads(ctx, grad_y)
+
+
+def _eager_grads(ctx, grad_y):
+    """EagerLayerStep's gradients: _grads with the statistics from the context and
+    _backward_pass called directly (no operator-shaped outputs: the step's fixed cost)."""
+    x, weight, y = ctx.saved_tensors
+    need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+    if not (need_x or need_w or need_b or need_r):
+        return None, None, None, None, None, None
+    d_res = torch.empty_like(x, dtype=grad_y.dtype) if need_r else None
+    dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, *ctx.stats, y, ctx.eps, ctx.group,
+                                       ctx.num_threads, need_x, d_res)
+    dgamma, dbeta = dgamma if need_w else None, dbeta if need_b else None
+    if ctx.param_types != _FLOAT32_PARAMS:
+        dgamma, dbeta = _param_grads(ctx, dgamma, dbeta)
+    return dx if need_x else None, dgamma, dbeta, d_res, None, None
+
+
+_FLOAT32_PARAMS = (torch.float32, torch.float32)
+# Grad mode is on in a backward only under create_graph: the gradients are then marked as
+# having none of their own, as the operator's formula marks them (a second derivative fails).
+_eager_grads_once = once_differentiable(_eager_grads)
 
 
 def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
