@@ -299,13 +299,22 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
     parameter gradients are this rank's (float32, whatever weight's type).  With relu_out
     (the layer's output), the engine masks the gradient with it in both passes.  Without a
     group: one native call on the tensors' own memory."""
+    dx, dgamma, dbeta, d_res = _backward_grads(grad_y, x, weight, mean, var, relu_out, eps,
+                                               group, num_threads, input_grad, residual_grad)
+    return dx, dgamma, dbeta, x.new_empty(0) if d_res is None else d_res
+
+
+def _backward_grads(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
+                    residual_grad):
+    """backward_impl's gradients, grad_residual None unless residual_grad (the eager layers
+    take them so, without the operator's placeholder)."""
     if residual_grad and (relu_out is None or group):
         raise ValueError("the residual's gradient needs relu_out and no group")
     # (in the layout _backward_pass reads grad_y in)
     d_res = torch.empty_like(x, dtype=grad_y.dtype) if residual_grad else None
     dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group,
                                        num_threads, input_grad, d_res)
-    return dx, dgamma, dbeta, x.new_empty(0) if d_res is None else d_res
+    return dx, dgamma, dbeta, d_res
 
 
 def _laid_out_like(x, t):
@@ -422,8 +431,13 @@ def _keep_options(ctx, weight, bias, eps, group, num_threads, residual_at):
     ctx.residual_at = residual_at
 
 
+_FLOAT32_PARAMS = (torch.float32, torch.float32)
+
+
 def _param_grads(ctx, dgamma, dbeta):
     """The parameter gradients (float32, or None) in the parameters' own types."""
+    if ctx.param_types == _FLOAT32_PARAMS:
+        return dgamma, dbeta
     return tuple(g if g is None or t == torch.float32 else g.to(t)
                  for g, t in zip((dgamma, dbeta), ctx.param_types))
 
@@ -498,22 +512,11 @@ class EagerLayerStep(torch.autograd.Function):
 
 
 def _eager_grads(ctx, grad_y):
-    """EagerLayerStep's gradients: _grads with the statistics from the context and
-    _backward_pass called directly (no operator-shaped outputs: the step's fixed cost)."""
-    x, weight, y = ctx.saved_tensors
-    need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
-    if not (need_x or need_w or need_b or need_r):
-        return None, None, None, None, None, None
-    d_res = torch.empty_like(x, dtype=grad_y.dtype) if need_r else None
-    dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, *ctx.stats, y, ctx.eps, ctx.group,
-                                       ctx.num_threads, need_x, d_res)
-    dgamma, dbeta = dgamma if need_w else None, dbeta if need_b else None
-    if ctx.param_types != _FLOAT32_PARAMS:
-        dgamma, dbeta = _param_grads(ctx, dgamma, dbeta)
-    return dx if need_x else None, dgamma, dbeta, d_res, None, None
+    """EagerLayerStep's gradients: the operator's formula on the backward pass itself, the
+    statistics from the context."""
+    return (*_grads(ctx, grad_y, _backward_grads, ctx.stats), None, None)
 
 
-_FLOAT32_PARAMS = (torch.float32, torch.float32)
 # Grad mode is on in a backward only under create_graph: the gradients are then marked as
 # having none of their own, as the operator's formula marks them (a second derivative fails).
 _eager_grads_once = once_differentiable(_eager_grads)
