@@ -343,14 +343,14 @@ def main():
     # plan -> schedules -> the engine entry (which links the kernels: one process, one choice of
     # body) -> the overlap solver -> the validation rules -> foreign objects as arrays (DLPack)
     # -> array calls / DirectML operators -> the C API table; _half: the public conversion
-    # helpers.
+    # helpers; _relayout: the torch layers' channel-first <-> channel-last copies.
     kernel_sources = [f"src/body_{name}.c" for name in ("choice", "portable", "avx2", "avx512",
                                                           "neon")]
     extensions = [
         extension(name, [f"bnbw_native/{name}.pyx"]
                   + (kernel_sources if name == "_engine" else []))
         for name in ("_plan", "_schedules", "_execute", "_engine", "_overlap", "_rules", "_dlpack",
-                     "_arrays", "_directml", "_capi", "_half")
+                     "_arrays", "_directml", "_capi", "_half", "_relayout")
     ]
 
     class build_py_with_headers(build_py):

@@ -1,5 +1,5 @@
 # What the C headers declare, as the native modules see them: the half conversions
-# (src/bnbw_half.h), the kernels and their table (src/bnbw_kernels.h), the public C API's
+# (src/bnbw_half.h), the transposed tiles (src/bnbw_relayout.h), the kernels and their table (src/bnbw_kernels.h), the public C API's
 # types and statuses (include/bnbw_native.h) and OpenMP's few queries.
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 
@@ -21,6 +21,13 @@ cdef extern from "bnbw_half.h" nogil:
     void bnbw_load_bf16(const char *src, int64_t stride, int64_t n, float *dst, int simd)
     void bnbw_store_bf16(const float *src, int64_t n, char *dst, int64_t stride, int simd)
     const char *bnbw_half_simd_path(int simd)
+
+
+cdef extern from "bnbw_relayout.h" nogil:
+    # one tile of a (rows, cols) matrix into its transpose: elements (i0.., j0..), one line a
+    # side, of size-byte elements (2 or 4)
+    void bnbw_tile(const void *src, void *dst, int64_t rows, int64_t cols, int64_t i0,
+                   int64_t j0, int size)
 
 # The kernels (linked into bnbw_native._engine only, which owns the choice of body and
 # hands its table to the schedules).

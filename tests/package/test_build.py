@@ -14,7 +14,7 @@ from bnbw_native import _config, _engine
 from cext import ROOT, c_compiler
 
 COMPILED = ("_plan", "_schedules", "_execute", "_engine", "_overlap", "_rules", "_dlpack",
-            "_arrays", "_directml", "_capi", "_half")
+            "_arrays", "_directml", "_capi", "_half", "_relayout")
 
 
 @pytest.fixture(scope="module")

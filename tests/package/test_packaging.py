@@ -296,7 +296,7 @@ def test_extension_modules_carry_no_run_path_into_the_build_machine():
     if not (sys.platform.startswith("linux") and sys.maxsize > 2**32):
         pytest.skip("reads 64-bit ELF files (Linux)")
     for name in ("_plan", "_schedules", "_execute", "_engine", "_overlap", "_rules", "_dlpack",
-                 "_arrays", "_directml", "_capi", "_half"):
+                 "_arrays", "_directml", "_capi", "_half", "_relayout"):
         path = importlib.import_module(f"bnbw_native.{name}").__file__
         bad = [e for e in elf_run_paths(Path(path).read_bytes()) if _forbidden_run_path(e)]
         assert bad == [], (path, bad)

@@ -17,7 +17,7 @@ PACKAGE = Path(bnbw_native.__file__).resolve().parent
 TYPED_EXAMPLES = [ROOT / "examples" / "numpy_arrays.py", ROOT / "examples" / "dml_raw_buffers.py"]
 STUBBED = ["_onednn_graph", "_two_phase", "intel_spec", "onednn", "ngraph", "dml", "half",
            "reference", "_dlpack", "_arrays", "_rules", "_overlap", "_engine", "_directml",
-           "_capi", "_half", "_plan", "_schedules", "_execute"]
+           "_capi", "_half", "_relayout", "_plan", "_schedules", "_execute"]
 
 
 @pytest.fixture(scope="module")

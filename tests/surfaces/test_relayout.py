@@ -1,0 +1,98 @@
+"""The tiled transposition that moves a gradient into its input's layout (bnbw_native/_relayout
+.pyx, used by the torch layers): every element lands where NumPy's transpose puts it, on both
+sides of every tile (16 four-byte or 32 two-byte elements a side) and block (4 tiles a side)
+boundary, serial and parallel, and the layers hand their kernels the tensor torch's copy gives."""
+import numpy as np
+import pytest
+
+from bnbw_native._relayout import PARALLEL_MIN, transpose_samples
+
+# sizes around the tile (16, 32) and block (64, 128) edges, and odd ones
+EDGES = [1, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]
+
+
+def _transposed(a, num_threads):
+    samples, rows, cols = a.shape
+    out = np.full((samples, cols, rows), 0x5A, dtype=a.dtype)   # no stale answer
+    transpose_samples(a.ctypes.data, out.ctypes.data, samples, rows, cols, a.itemsize,
+                      num_threads)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+@pytest.mark.parametrize("rows", EDGES)
+def test_every_element_lands_where_numpy_transposes_it(dtype, rows):
+    rng = np.random.default_rng(rows)
+    for cols in EDGES:
+        a = rng.integers(0, np.iinfo(dtype).max, size=(2, rows, cols), dtype=dtype)
+        np.testing.assert_array_equal(_transposed(a, 1), a.transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype, shape", [
+    (np.float32, (3, 64, 1024)),      # power-of-two planes: 32 x 32 images, channel-first
+    (np.float32, (3, 1024, 64)),      # ... channel-last
+    (np.float16, (2, 200, 333)),      # partial tiles and blocks at both ends
+    (np.float32, (1, 4, 70000)),      # one sample, rows narrower than a tile
+])
+def test_parallel_calls_give_the_serial_result(num_threads, dtype, shape):
+    assert np.prod(shape) >= PARALLEL_MIN    # the parallel path
+    a = np.random.default_rng(7).standard_normal(shape).astype(dtype)
+    a.flat[::97] = np.nan                    # bits move, values are not looked at
+    want = a.transpose(0, 2, 1)
+    got = _transposed(a, num_threads)
+    assert got.tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+def test_empty_matrices_write_nothing():
+    out = np.full(8, 7, np.uint32)
+    for shape in [(0, 4, 2), (4, 0, 2), (4, 2, 0)]:
+        transpose_samples(0, out.ctypes.data, *shape, 4)
+    assert (out == 7).all()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(itemsize=8), "itemsize: expected 2 or 4, got 8"),
+    (dict(itemsize=1), "itemsize: expected 2 or 4, got 1"),
+    (dict(rows=-1), "sizes >= 0"),
+])
+def test_bad_arguments_are_refused(bad, match):
+    a = np.zeros(4, np.uint32)
+    args = dict(src=a.ctypes.data, dst=a.ctypes.data, samples=1, rows=2, cols=2, itemsize=4)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        transpose_samples(**args)
+
+
+# ---- the layers' copy ----------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+from bnbw_native import _torch_ops as ops  # noqa: E402  (after the importorskip)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 17, 33, 2), (2, 64, 32, 32),
+                                   (2, 5, 3, 4, 6), (0, 3, 4, 4), (3, 1, 5, 5)])
+@pytest.mark.parametrize("grad_is_channel_last", [False, True])
+def test_a_gradient_reaches_the_kernels_in_xs_layout_with_its_values(dtype, shape,
+                                                                     grad_is_channel_last):
+    last = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x_format, g_format = ((torch.contiguous_format, last) if grad_is_channel_last
+                          else (last, torch.contiguous_format))
+    x = torch.randn(shape).to(dtype).contiguous(memory_format=x_format)
+    g = torch.randn(shape).to(dtype).contiguous(memory_format=g_format)
+    for num_threads in (1, 2):
+        out = ops._in_layout_of(x, g, num_threads)
+        assert torch.equal(out, g) and out.dtype == g.dtype
+        assert ops._laid_out_like(x, out)
+
+
+def test_only_dense_opposite_layouts_go_by_tiles():
+    x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    dst = torch.empty_like(x)
+    assert ops._transposed(torch.randn(2, 4, 6, 6), dst, 1)
+    assert not ops._transposed(torch.randn(2, 4, 6, 6, dtype=torch.float64),
+                               dst.double(), 1)                       # 8-byte elements
+    assert not ops._transposed(torch.randn(2, 4, 6, 12)[..., ::2], dst, 1)   # not dense
+    assert not ops._transposed(torch.randn(2, 4, 6, 6), torch.empty(2, 4, 6, 6), 1)
+    assert not ops._transposed(torch.randn(2, 4, 6), torch.empty(2, 4, 6), 1)  # no such layout
