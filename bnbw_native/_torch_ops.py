@@ -344,10 +344,10 @@ def _transposed(src, dst, num_threads):
     """Whether src was copied into dst (src's shape and dtype) by tiles: one of them dense
     channel-first, the other dense channel-last, of 2- or 4-byte elements.  torch's copy_
     moves that transposition element by element: (32, 64, 32, 32) float32 took 5.9 ms on one
-    thread against 1.3 ms by tiles (docs/benchmark-history.md, 6b)."""
+    thread against 1.6 ms by tiles (docs/benchmark-history.md, 6b)."""
     last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(src.dim())
     if (last is None or src.dtype != dst.dtype or src.element_size() not in (2, 4)
-            or src.numel() == 0):
+            or src.numel() == 0 or src.device.type != "cpu" or dst.device.type != "cpu"):
         return False
     samples, channels = src.shape[0], src.shape[1]
     plane = src.numel() // (samples * channels)

@@ -96,3 +96,5 @@ def test_only_dense_opposite_layouts_go_by_tiles():
     assert not ops._transposed(torch.randn(2, 4, 6, 12)[..., ::2], dst, 1)   # not dense
     assert not ops._transposed(torch.randn(2, 4, 6, 6), torch.empty(2, 4, 6, 6), 1)
     assert not ops._transposed(torch.randn(2, 4, 6), torch.empty(2, 4, 6), 1)  # no such layout
+    assert not ops._transposed(torch.randn(2, 4, 6, 6, device="meta"),
+                               torch.empty_like(x, device="meta"), 1)  # memory not in reach
