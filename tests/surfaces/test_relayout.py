@@ -1,7 +1,8 @@
 """The tiled transposition that moves a gradient into its input's layout (bnbw_native/_relayout
 .pyx, used by the torch layers): every element lands where NumPy's transpose puts it, on both
 sides of every tile (16 four-byte or 32 two-byte elements a side) and block (4 tiles a side)
-boundary, serial and parallel, and the layers hand their kernels the tensor torch's copy gives."""
+boundary, serial and parallel.  Without torch (the layers' use: test_torch_relayout.py), so
+that every machine's vector path runs it."""
 import numpy as np
 import pytest
 
@@ -62,39 +63,3 @@ def test_bad_arguments_are_refused(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         transpose_samples(**args)
-
-
-# ---- the layers' copy ----------------------------------------------------------------------
-
-torch = pytest.importorskip("torch")
-from bnbw_native import _torch_ops as ops  # noqa: E402  (after the importorskip)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 17, 33, 2), (2, 64, 32, 32),
-                                   (2, 5, 3, 4, 6), (0, 3, 4, 4), (3, 1, 5, 5)])
-@pytest.mark.parametrize("grad_is_channel_last", [False, True])
-def test_a_gradient_reaches_the_kernels_in_xs_layout_with_its_values(dtype, shape,
-                                                                     grad_is_channel_last):
-    last = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-    x_format, g_format = ((torch.contiguous_format, last) if grad_is_channel_last
-                          else (last, torch.contiguous_format))
-    x = torch.randn(shape).to(dtype).contiguous(memory_format=x_format)
-    g = torch.randn(shape).to(dtype).contiguous(memory_format=g_format)
-    for num_threads in (1, 2):
-        out = ops._in_layout_of(x, g, num_threads)
-        assert torch.equal(out, g) and out.dtype == g.dtype
-        assert ops._laid_out_like(x, out)
-
-
-def test_only_dense_opposite_layouts_go_by_tiles():
-    x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
-    dst = torch.empty_like(x)
-    assert ops._transposed(torch.randn(2, 4, 6, 6), dst, 1)
-    assert not ops._transposed(torch.randn(2, 4, 6, 6, dtype=torch.float64),
-                               dst.double(), 1)                       # 8-byte elements
-    assert not ops._transposed(torch.randn(2, 4, 6, 12)[..., ::2], dst, 1)   # not dense
-    assert not ops._transposed(torch.randn(2, 4, 6, 6), torch.empty(2, 4, 6, 6), 1)
-    assert not ops._transposed(torch.randn(2, 4, 6), torch.empty(2, 4, 6), 1)  # no such layout
-    assert not ops._transposed(torch.randn(2, 4, 6, 6, device="meta"),
-                               torch.empty_like(x, device="meta"), 1)  # memory not in reach
