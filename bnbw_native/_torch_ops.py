@@ -340,11 +340,17 @@ def _in_layout_of(x, grad_y, num_threads=None):
     return out
 
 
+_TILE_BLOCK_BYTES = 16      # the tiles' vector blocks: one 16-byte register a row
+
+
 def _transposed(src, dst, num_threads):
     """Whether src was copied into dst (src's shape and dtype) by tiles: one of them dense
-    channel-first, the other dense channel-last, of 2- or 4-byte elements.  torch's copy_
-    moves that transposition element by element: (32, 64, 32, 32) float32 took 5.9 ms on one
-    thread against 1.6 ms by tiles (docs/benchmark-history.md, 6b)."""
+    channel-first, the other dense channel-last, of 2- or 4-byte elements, src's rows (a
+    plane, or the channels) at least one 16-byte block long.  torch's copy_ moves that
+    transposition element by element: (32, 64, 32, 32) float32 took 5.9 ms on one thread
+    against 1.6 ms by tiles.  Shorter rows leave the tiles nothing but single elements, where
+    copy_ was as fast or faster: bfloat16 2 x 2 planes 75 against 114 us (docs/
+    benchmark-history.md, 6b, 6c)."""
     last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(src.dim())
     if (last is None or src.dtype != dst.dtype or src.element_size() not in (2, 4)
             or src.numel() == 0 or src.device.type != "cpu" or dst.device.type != "cpu"):
@@ -356,6 +362,8 @@ def _transposed(src, dst, num_threads):
     elif src.is_contiguous(memory_format=last) and dst.is_contiguous():
         rows, cols = plane, channels
     else:
+        return False
+    if cols * src.element_size() < _TILE_BLOCK_BYTES:
         return False
     transpose_samples(src.data_ptr(), dst.data_ptr(), samples, rows, cols, src.element_size(),
                       threads(num_threads))

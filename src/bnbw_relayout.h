@@ -4,8 +4,9 @@
  * A tile is one 64-byte line a side (16 x 16 four-byte elements, 32 x 32 two-byte ones), so
  * each line of either matrix is read or written whole, once.  Inside a whole tile the elements
  * move as 4 x 4 (4-byte) or 8 x 8 (2-byte) blocks through 16-byte registers: SSE2, which every
- * x86-64 has, or NEON on AArch64.  Partial tiles, and every tile elsewhere, go one element at a
- * time (memcpy: no type is assumed).  Only bits move, so every path gives the same result.
+ * x86-64 has, or NEON on AArch64; so do a partial tile's whole blocks.  What is left past them,
+ * and every tile elsewhere, goes one element at a time (memcpy: no type is assumed).  Only bits
+ * move, so every path gives the same result.
  * Block strides count elements; source and destination must not overlap.
  */
 #ifndef BNBW_RELAYOUT_H
@@ -99,8 +100,26 @@ static inline void bnbw__block8x8(const uint16_t *src, int64_t ss, uint16_t *dst
 }
 #endif
 
+/* Elements (i, j) of src for i0 <= i < i1, j0 <= j < j1, one at a time, into dst (each size a
+ * constant, so that every copy is one move even where the function is not inlined). */
+#define BNBW__ELEMENTS(SIZE)                                                                \
+    for (int64_t i = i0; i < i1; ++i)                                                       \
+        for (int64_t j = j0; j < j1; ++j)                                                   \
+            memcpy(d + (j * rows + i) * (SIZE), s + (i * cols + j) * (SIZE), (SIZE))
+static inline void bnbw__elements(const char *s, char *d, int64_t rows, int64_t cols, int64_t i0,
+                                  int64_t i1, int64_t j0, int64_t j1, int size)
+{
+    if (size == 4)
+        BNBW__ELEMENTS(4);
+    else
+        BNBW__ELEMENTS(2);
+}
+#undef BNBW__ELEMENTS
+
 /* One tile of a (rows, cols) matrix src into dst (cols, rows) of `size`-byte elements (2 or 4;
- * a constant where it is inlined): elements (i0.., j0..), up to 64 / size of each. */
+ * a constant where it is inlined): elements (i0.., j0..), up to 64 / size of each.  The whole
+ * blocks of a partial tile (a plane's edge, or a side shorter than a tile) move as blocks too:
+ * only the rows and columns past the last whole block go one element at a time. */
 static inline void bnbw_tile(const void *src, void *dst, int64_t rows, int64_t cols, int64_t i0,
                              int64_t j0, int size)
 {
@@ -110,24 +129,23 @@ static inline void bnbw_tile(const void *src, void *dst, int64_t rows, int64_t c
     char *d = (char *)dst;
 #if defined(BNBW__TILE_SSE2) || defined(BNBW__TILE_NEON)
     const int64_t block = 16 / size;                       /* a block: one 16-byte register */
-    if (ni == side && nj == side) {
-        for (int64_t i = i0; i < i0 + side; i += block)
-            for (int64_t j = j0; j < j0 + side; j += block) {
-                const char *from = s + (i * cols + j) * size;
-                char *to = d + (j * rows + i) * size;
-                if (size == 4)
-                    bnbw__block4x4((const uint32_t *)(const void *)from, cols,
-                                   (uint32_t *)(void *)to, rows);
-                else
-                    bnbw__block8x8((const uint16_t *)(const void *)from, cols,
-                                   (uint16_t *)(void *)to, rows);
-            }
-        return;
-    }
+    const int64_t bi = ni - ni % block, bj = nj - nj % block;
+    for (int64_t i = i0; i < i0 + bi; i += block)
+        for (int64_t j = j0; j < j0 + bj; j += block) {
+            const char *from = s + (i * cols + j) * size;
+            char *to = d + (j * rows + i) * size;
+            if (size == 4)
+                bnbw__block4x4((const uint32_t *)(const void *)from, cols,
+                               (uint32_t *)(void *)to, rows);
+            else
+                bnbw__block8x8((const uint16_t *)(const void *)from, cols,
+                               (uint16_t *)(void *)to, rows);
+        }
+    bnbw__elements(s, d, rows, cols, i0, i0 + bi, j0 + bj, j0 + nj, size);
+    bnbw__elements(s, d, rows, cols, i0 + bi, i0 + ni, j0, j0 + nj, size);
+#else
+    bnbw__elements(s, d, rows, cols, i0, i0 + ni, j0, j0 + nj, size);
 #endif
-    for (int64_t i = i0; i < i0 + ni; ++i)
-        for (int64_t j = j0; j < j0 + nj; ++j)
-            memcpy(d + (j * rows + i) * size, s + (i * cols + j) * size, (size_t)size);
 }
 
 #endif

@@ -1,15 +1,15 @@
 """The tiled transposition that moves a gradient into its input's layout (bnbw_native/_relayout
 .pyx, used by the torch layers): every element lands where NumPy's transpose puts it, on both
-sides of every tile (16 four-byte or 32 two-byte elements a side) and block (4 tiles a side)
-boundary, serial and parallel.  Without torch (the layers' use: test_torch_relayout.py), so
+sides of every vector block (4 four-byte or 8 two-byte elements a side, whole ones inside partial
+tiles too), tile (16 or 32 a side) and task (4 tiles a side) boundary, serial and parallel.  Without torch (the layers' use: test_torch_relayout.py), so
 that every machine's vector path runs it."""
 import numpy as np
 import pytest
 
 from bnbw_native._relayout import PARALLEL_MIN, transpose_samples
 
-# sizes around the tile (16, 32) and block (64, 128) edges, and odd ones
-EDGES = [1, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]
+# sizes around the vector block (4, 8), tile (16, 32) and task (64, 128) edges, and odd ones
+EDGES = [1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33, 63, 64, 65, 127, 128, 129]
 
 
 def _transposed(a, num_threads):

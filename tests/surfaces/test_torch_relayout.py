@@ -34,3 +34,21 @@ def test_only_dense_opposite_layouts_go_by_tiles():
     assert not ops._transposed(torch.randn(2, 4, 6), torch.empty(2, 4, 6), 1)  # no such layout
     assert not ops._transposed(torch.randn(2, 4, 6, 6, device="meta"),
                                torch.empty_like(x, device="meta"), 1)  # memory not in reach
+
+
+@pytest.mark.parametrize("dtype, block", [(torch.bfloat16, 8), (torch.float32, 4)])
+@pytest.mark.parametrize("short", [1, 0])
+def test_rows_shorter_than_a_vector_block_keep_copy(dtype, block, short):
+    """The tiles take src's rows from one 16-byte block up (8 two-byte elements, 4 four-byte
+    ones): shorter rows would go one element at a time, where copy_ is as fast."""
+    n = block - short
+    last = torch.channels_last
+    first = torch.randn(2, 5, 1, n).to(dtype)                          # rows: the planes
+    cl = torch.randn(2, n, 1, 5).to(dtype).contiguous(memory_format=last)  # rows: the channels
+    assert ops._transposed(first, torch.empty_like(first, memory_format=last), 1) == (not short)
+    assert ops._transposed(cl, torch.empty(cl.shape, dtype=dtype), 1) == (not short)
+    for grad in (first, cl):                                           # either way, its values
+        x = torch.empty_like(grad, memory_format=last if grad is first
+                             else torch.contiguous_format)
+        out = ops._in_layout_of(x, grad, 1)
+        assert torch.equal(out, grad) and ops._laid_out_like(x, out)
