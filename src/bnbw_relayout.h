@@ -116,6 +116,20 @@ static inline void bnbw__elements(const char *s, char *d, int64_t rows, int64_t 
 }
 #undef BNBW__ELEMENTS
 
+#if defined(BNBW__TILE_SSE2) || defined(BNBW__TILE_NEON)
+/* The block of elements (i.., j..) of src into dst. */
+static inline void bnbw__block(const char *s, char *d, int64_t rows, int64_t cols, int64_t i,
+                               int64_t j, int size)
+{
+    const char *from = s + (i * cols + j) * size;
+    char *to = d + (j * rows + i) * size;
+    if (size == 4)
+        bnbw__block4x4((const uint32_t *)(const void *)from, cols, (uint32_t *)(void *)to, rows);
+    else
+        bnbw__block8x8((const uint16_t *)(const void *)from, cols, (uint16_t *)(void *)to, rows);
+}
+#endif
+
 /* One tile of a (rows, cols) matrix src into dst (cols, rows) of `size`-byte elements (2 or 4;
  * a constant where it is inlined): elements (i0.., j0..), up to 64 / size of each.  The whole
  * blocks of a partial tile (a plane's edge, or a side shorter than a tile) move as blocks too:
@@ -130,17 +144,19 @@ static inline void bnbw_tile(const void *src, void *dst, int64_t rows, int64_t c
 #if defined(BNBW__TILE_SSE2) || defined(BNBW__TILE_NEON)
     const int64_t block = 16 / size;                       /* a block: one 16-byte register */
     const int64_t bi = ni - ni % block, bj = nj - nj % block;
-    for (int64_t i = i0; i < i0 + bi; i += block)
-        for (int64_t j = j0; j < j0 + bj; j += block) {
-            const char *from = s + (i * cols + j) * size;
-            char *to = d + (j * rows + i) * size;
-            if (size == 4)
-                bnbw__block4x4((const uint32_t *)(const void *)from, cols,
-                               (uint32_t *)(void *)to, rows);
-            else
-                bnbw__block8x8((const uint16_t *)(const void *)from, cols,
-                               (uint16_t *)(void *)to, rows);
-        }
+    /* The loop over one side's blocks runs inside the other's, so the inner side has a whole
+     * tile's lines (16 or 32) open at once, each filled 16 bytes at a time.  dst's go outside
+     * where its lines lie a multiple of 2 KiB apart: then they fall into one or two L1 sets,
+     * and written in pieces, they would be evicted before they are whole. */
+    if ((rows * size) % 2048 == 0) {
+        for (int64_t j = j0; j < j0 + bj; j += block)
+            for (int64_t i = i0; i < i0 + bi; i += block)
+                bnbw__block(s, d, rows, cols, i, j, size);
+    } else {
+        for (int64_t i = i0; i < i0 + bi; i += block)
+            for (int64_t j = j0; j < j0 + bj; j += block)
+                bnbw__block(s, d, rows, cols, i, j, size);
+    }
     bnbw__elements(s, d, rows, cols, i0, i0 + bi, j0 + bj, j0 + nj, size);
     bnbw__elements(s, d, rows, cols, i0 + bi, i0 + ni, j0, j0 + nj, size);
 #else
