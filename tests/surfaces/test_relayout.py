@@ -29,6 +29,20 @@ def test_every_element_lands_where_numpy_transposes_it(dtype, rows):
         np.testing.assert_array_equal(_transposed(a, 1), a.transpose(0, 2, 1))
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+@pytest.mark.parametrize("line_gap", [2048, 4096])
+def test_every_element_lands_in_both_block_orders(dtype, line_gap):
+    """Where dst's lines lie a multiple of 2 KiB apart (rows of that many bytes) a tile's
+    blocks go column block first, elsewhere row block first: rows on that multiple and one
+    element either side of it, against every column count around the edges."""
+    rng = np.random.default_rng(line_gap)
+    around = line_gap // np.dtype(dtype).itemsize
+    for rows in (around - 1, around, around + 1):
+        for cols in EDGES:
+            a = rng.integers(0, np.iinfo(dtype).max, size=(1, rows, cols), dtype=dtype)
+            np.testing.assert_array_equal(_transposed(a, 1), a.transpose(0, 2, 1))
+
+
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype, shape", [
     (np.float32, (3, 64, 1024)),      # power-of-two planes: 32 x 32 images, channel-first
