@@ -113,6 +113,60 @@ def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, d
         assert "last-slab" in schedules and ("last-split" in schedules or blocks == 1)
 
 
+# Channel-last rows that stream (NO_CACHE: every call does) are read one at a time when a pass
+# reads 257 B to 4 KiB of each: x and dy from 33 float32 channels (17 in 16 bits), x alone from
+# 65 (129).  Those loops, and the elementwise ones, take two runs of 16 channels per step: odd
+# and even run counts, with and without a tail of channels, on both sides of both thresholds.
+ROW_LOOP_CHANNELS = [48, 53, 80, 144, 167, 1008]
+
+
+@pytest.mark.parametrize("dtype", [np.float32] + ([BF16] if BF16 is not None else []),
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("channels", ROW_LOOP_CHANNELS)
+def test_rows_one_at_a_time_give_the_bits_of_rows_in_groups(rng, cache_model, dtype, channels):
+    """The backward (plain, masked, the sums) and the forward (plain, fused ReLU) of streaming
+    rows, read one at a time, give the bits of the same calls whose rows fit the caches (read
+    four at a time), and match float64."""
+    shape = (37, channels)
+    x, dy, y, (mean, var, gamma) = _problem(rng, shape, "NXC", dtype)
+    beta = rng.standard_normal(channels).astype(np.float32)
+
+    def run():
+        back = batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                           data_format="NXC", num_threads=1)
+        masked = batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                             data_format="NXC", num_threads=1, relu_dst=y)
+        sums = backward_reduce(x, dy, mean, data_format="NXC", num_threads=1)[0]
+        fwd = [bnbw_native.batchnorm_training_forward(
+            x, np.zeros(channels, np.float32), np.ones(channels, np.float32), gamma, beta,
+            epsilon=1e-5, momentum=0.0, data_format="NXC", num_threads=1, fuse_relu=relu)
+            for relu in (False, True)]
+        return list(back) + list(masked) + [sums, fwd[0].dst, fwd[0].batch_mean,
+                                            fwd[0].batch_variance, fwd[1].dst]
+
+    cache_model(*NO_CACHE)
+    streamed = run()
+    cache_model(*LARGE_CACHE)
+    assert _bits(run()) == _bits(streamed)
+
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    m64, r = mean.astype(np.float64), 1 / np.sqrt(var.astype(np.float64) + 1e-5)
+    dbeta, dgamma = dy64.sum(0), r * ((x64 - m64) * dy64).sum(0)
+    dx = gamma * r * (dy64 - dbeta / len(x) - (x64 - m64) * r * dgamma / len(x))
+    tol = 1e-2 if dtype != np.float32 else 1e-5     # the storage type's rounding of dx
+    np.testing.assert_allclose(streamed[0].astype(np.float64), dx,
+                               rtol=tol, atol=tol * np.abs(dx).max())
+    np.testing.assert_allclose(streamed[1], dgamma, rtol=1e-5, atol=1e-6 * np.abs(dgamma).max())
+    np.testing.assert_allclose(streamed[2], dbeta, rtol=1e-5, atol=1e-6 * np.abs(dbeta).max())
+    bm, bv = x64.mean(0), x64.var(0)
+    np.testing.assert_allclose(streamed[8], bm, rtol=2 ** -23)
+    np.testing.assert_allclose(streamed[9], bv, rtol=2 ** -23)
+    want_y = (gamma * (x64 - bm) / np.sqrt(bv + 1e-5) + beta)
+    np.testing.assert_allclose(streamed[7].astype(np.float64), want_y,
+                               rtol=tol, atol=tol * np.abs(want_y).max())
+    np.testing.assert_array_equal(streamed[10], np.maximum(streamed[7], 0))
+
+
 @pytest.mark.parametrize("threads", [2, 3, 8, 16, 64])
 @pytest.mark.parametrize("data_format", ["NXC", "NCX"])
 def test_threads_get_balanced_work_on_network_shapes(bench, cache_model, threads, data_format):
