@@ -12,7 +12,8 @@ formula, so eager mode, torch.compile (the graph holds the operators as opaque c
 torch.func transforms all run the same kernels and give the same bits.  Each pass is one
 native call on the tensors themselves (address, sizes, strides): y and grad_x are written
 straight into the tensors returned.  In plain eager mode the layers skip the dispatcher and
-the custom-op wrappers (EagerLayerStep), about 60 us per layer and step.
+the custom-op wrappers (EagerLayerStep), about 60 us per layer and step, and
+torch.autograd.Function.apply's Python layer (_eager_apply_of), 5-10 us more.
 
 The new running statistics are PyTorch's update of running_mean and running_var (None: not
 tracked, and the new ones are empty): (1 - factor) * old + factor * batch, the variance
@@ -556,6 +557,27 @@ def _eager_grads(ctx, grad_y):
 _eager_grads_once = once_differentiable(_eager_grads)
 
 
+def _eager_apply_of(function):
+    """function.apply for plain eager mode, without torch.autograd.Function.apply's Python
+    layer: that layer binds default arguments for a setup_context (EagerLayerStep has none),
+    routes functorch transforms (train() sends those elsewhere) and unwraps tensors left
+    over from finished transforms, which this does too.  It cost 5-10 us a layer step
+    (docs/benchmark-history.md, 6e).  The C base's apply and functorch's unwrap_if_dead are
+    not public API: without either, the public apply."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    if base is None or unwrap is None or not issubclass(function, base):
+        return function.apply
+    apply = super(torch.autograd.Function, function).apply
+
+    def eager_apply(*args):
+        return apply(*[unwrap(a) if isinstance(a, torch.Tensor) else a for a in args])
+    return eager_apply
+
+
+_eager_layer_step = _eager_apply_of(EagerLayerStep)
+
+
 def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
           residual=None):
     """y of batch_norm_train with its autograd formula, the running statistics updated in
@@ -564,9 +586,8 @@ def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, 
     statistics then stored.  A residual (with relu): y = max(bn(x) + residual, 0), inside
     the operator (as torch ops around it over a process group)."""
     if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
-        return EagerLayerStep.apply(x, weight, bias, residual,
-                                    _running(running_mean, running_var),
-                                    (factor, eps, relu, group, num_threads))
+        return _eager_layer_step(x, weight, bias, residual, _running(running_mean, running_var),
+                                 (factor, eps, relu, group, num_threads))
     inside = residual if relu and not group else None
     args = (x, weight, bias, running_mean, running_var, factor, eps,
             relu and (residual is None or inside is not None), group, num_threads, inside)

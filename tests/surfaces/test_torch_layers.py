@@ -506,3 +506,45 @@ def test_vmap_runs_one_batch_norm_per_entry_and_its_gradients():
     assert rel_err(dx, vmap(grad(lambda xi: (ref(xi) * g).sum()))(x)) < 1e-5
     with pytest.raises(RuntimeError, match="track_running_stats=False"):
         vmap(bag.BatchNorm(4))(x)
+
+
+@pytest.mark.parametrize("cls", [bag.BatchNorm, bag.BatchNormReLU])
+def test_a_tensor_left_over_from_a_finished_transform_is_read_as_its_value(cls):
+    """An input kept from inside a finished torch.func transform (functorch's wrapper of a
+    level that has ended) gives the bits of the plain tensor, forward and backward, as
+    torch.autograd.Function.apply gives them: the eager layers skip that apply's Python layer
+    and unwrap such tensors themselves (the wrapper has no memory of its own to read)."""
+    x, dy = data((4, 3, 5, 5), channels_last=True)
+    kept = []
+
+    def keep(t):
+        kept.append(t)
+        return t.square().sum()
+
+    torch.func.grad(keep)(x.clone())
+    assert torch._C._functorch.is_functorch_wrapped_tensor(kept[0])
+    results = []
+    for t in (kept[0], x):
+        layer = cls(3)
+        y = layer(t.detach().requires_grad_() if t is x else t)
+        y.backward(dy)
+        results.append((y.detach(), layer.weight.grad, layer.bias.grad, layer.running_var))
+    for u, v in zip(*results):
+        assert torch.equal(u, v)
+
+
+def test_without_the_private_apply_the_layers_take_the_public_one(monkeypatch):
+    """A PyTorch without functorch's unwrap_if_dead (or the C base of autograd functions)
+    gets torch.autograd.Function.apply itself, and the same bits."""
+    x, dy = data((4, 3, 5, 5))
+    monkeypatch.delattr(torch._C._functorch, "unwrap_if_dead")
+    assert ops._eager_apply_of(ops.EagerLayerStep) == ops.EagerLayerStep.apply
+    results = []
+    for step in (ops._eager_apply_of(ops.EagerLayerStep), ops._eager_layer_step):
+        monkeypatch.setattr(ops, "_eager_layer_step", step)
+        layer, leaf = bag.BatchNorm(3), x.clone().requires_grad_()
+        y = layer(leaf)
+        y.backward(dy)
+        results.append((y.detach(), leaf.grad, layer.weight.grad, layer.running_mean))
+    for u, v in zip(*results):
+        assert torch.equal(u, v)
