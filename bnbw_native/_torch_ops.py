@@ -558,20 +558,23 @@ _eager_grads_once = once_differentiable(_eager_grads)
 
 
 def _eager_apply_of(function):
-    """function.apply for plain eager mode, without torch.autograd.Function.apply's Python
-    layer: that layer binds default arguments for a setup_context (EagerLayerStep has none),
-    routes functorch transforms (train() sends those elsewhere) and unwraps tensors left
-    over from finished transforms, which this does too.  It cost 5-10 us a layer step
-    (docs/benchmark-history.md, 6e).  The C base's apply and functorch's unwrap_if_dead are
-    not public API: without either, the public apply."""
+    """function.apply for plain eager mode (function: EagerLayerStep, whose tensors are its
+    first four arguments), without torch.autograd.Function.apply's Python layer: that layer
+    binds default arguments for a setup_context (EagerLayerStep has none), routes functorch
+    transforms (train() sends those elsewhere) and unwraps tensors left over from finished
+    transforms, which this does too.  It cost 5-10 us a layer step (docs/benchmark-history.md,
+    6e).  The C base's apply and functorch's unwrap_if_dead are not public API: without
+    either, the public apply."""
     base = getattr(torch._C, "_FunctionBase", None)
     unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
     if base is None or unwrap is None or not issubclass(function, base):
         return function.apply
     apply = super(torch.autograd.Function, function).apply
 
-    def eager_apply(*args):
-        return apply(*[unwrap(a) if isinstance(a, torch.Tensor) else a for a in args])
+    def eager_apply(x, weight, bias, residual, *rest):
+        return apply(unwrap(x), None if weight is None else unwrap(weight),
+                     None if bias is None else unwrap(bias),
+                     None if residual is None else unwrap(residual), *rest)
     return eager_apply
 
 

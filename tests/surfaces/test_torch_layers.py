@@ -508,25 +508,26 @@ def test_vmap_runs_one_batch_norm_per_entry_and_its_gradients():
         vmap(bag.BatchNorm(4))(x)
 
 
-@pytest.mark.parametrize("cls", [bag.BatchNorm, bag.BatchNormReLU])
+@pytest.mark.parametrize("cls", [bag.BatchNorm, bag.BatchNormReLU, bag.BatchNormAddReLU])
 def test_a_tensor_left_over_from_a_finished_transform_is_read_as_its_value(cls):
-    """An input kept from inside a finished torch.func transform (functorch's wrapper of a
-    level that has ended) gives the bits of the plain tensor, forward and backward, as
+    """Inputs kept from inside a finished torch.func transform (functorch's wrappers of a
+    level that has ended) give the bits of the plain tensors, forward and backward, as
     torch.autograd.Function.apply gives them: the eager layers skip that apply's Python layer
-    and unwrap such tensors themselves (the wrapper has no memory of its own to read)."""
+    and unwrap such tensors themselves (a wrapper has no memory of its own to read)."""
     x, dy = data((4, 3, 5, 5), channels_last=True)
+    residual = torch.randn(x.shape).contiguous(memory_format=torch.channels_last)
     kept = []
 
-    def keep(t):
-        kept.append(t)
-        return t.square().sum()
+    def keep(t, r):
+        kept.extend((t, r))
+        return (t * r).sum()
 
-    torch.func.grad(keep)(x.clone())
-    assert torch._C._functorch.is_functorch_wrapped_tensor(kept[0])
+    torch.func.grad(keep, argnums=(0, 1))(x.clone(), residual.clone())
+    assert all(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in kept)
     results = []
-    for t in (kept[0], x):
+    for t, r in (kept, (x.detach().requires_grad_(), residual)):
         layer = cls(3)
-        y = layer(t.detach().requires_grad_() if t is x else t)
+        y = layer(t, r) if cls is bag.BatchNormAddReLU else layer(t)
         y.backward(dy)
         results.append((y.detach(), layer.weight.grad, layer.bias.grad, layer.running_var))
     for u, v in zip(*results):
