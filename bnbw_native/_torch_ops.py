@@ -13,7 +13,7 @@ torch.func transforms all run the same kernels and give the same bits.  Each pas
 native call on the tensors themselves (address, sizes, strides): y and grad_x are written
 straight into the tensors returned.  In plain eager mode the layers skip the dispatcher and
 the custom-op wrappers (EagerLayerStep), about 60 us per layer and step, and
-torch.autograd.Function.apply's Python layer (_eager_apply_of), 5-10 us more.
+torch.autograd.Function.apply's Python layer (_eager_apply_of), 3-10 us more.
 
 The new running statistics are PyTorch's update of running_mean and running_var (None: not
 tracked, and the new ones are empty): (1 - factor) * old + factor * batch, the variance
@@ -562,7 +562,7 @@ def _eager_apply_of(function):
     first four arguments), without torch.autograd.Function.apply's Python layer: that layer
     binds default arguments for a setup_context (EagerLayerStep has none), routes functorch
     transforms (train() sends those elsewhere) and unwraps tensors left over from finished
-    transforms, which this does too.  It cost 5-10 us a layer step (docs/benchmark-history.md,
+    transforms, which this does too.  It cost 3-10 us a layer step (docs/benchmark-history.md,
     6e).  The C base's apply and functorch's unwrap_if_dead are not public API: without
     either, the public apply."""
     base = getattr(torch._C, "_FunctionBase", None)
