@@ -13,7 +13,7 @@ torch.func transforms all run the same kernels and give the same bits.  Each pas
 native call on the tensors themselves (address, sizes, strides): y and grad_x are written
 straight into the tensors returned.  In plain eager mode the layers skip the dispatcher and
 the custom-op wrappers (EagerLayerStep), about 60 us per layer and step, and
-torch.autograd.Function.apply's Python layer (_eager_apply_of), 3-10 us more.
+torch.autograd.Function.apply's Python layer (_eager_apply), 3-10 us more.
 
 The new running statistics are PyTorch's update of running_mean and running_var (None: not
 tracked, and the new ones are empty): (1 - factor) * old + factor * batch, the variance
@@ -557,19 +557,18 @@ def _eager_grads(ctx, grad_y):
 _eager_grads_once = once_differentiable(_eager_grads)
 
 
-def _eager_apply_of(function):
-    """function.apply for plain eager mode (function: EagerLayerStep, whose tensors are its
-    first four arguments), without torch.autograd.Function.apply's Python layer: that layer
-    binds default arguments for a setup_context (EagerLayerStep has none), routes functorch
-    transforms (train() sends those elsewhere) and unwraps tensors left over from finished
-    transforms, which this does too.  It cost 3-10 us a layer step (docs/benchmark-history.md,
-    6e).  The C base's apply and functorch's unwrap_if_dead are not public API: without
-    either, the public apply."""
+def _eager_apply():
+    """EagerLayerStep.apply for plain eager mode, without torch.autograd.Function.apply's
+    Python layer: that layer binds default arguments for a setup_context (EagerLayerStep has
+    none), routes functorch transforms (train() sends those elsewhere) and unwraps tensors
+    left over from finished transforms, which this does too, on the four tensor arguments.  It
+    cost 3-10 us a layer step (docs/benchmark-history.md, 6e).  The C base's apply and
+    functorch's unwrap_if_dead are not public API: without either, the public apply."""
     base = getattr(torch._C, "_FunctionBase", None)
     unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
-    if base is None or unwrap is None or not issubclass(function, base):
-        return function.apply
-    apply = super(torch.autograd.Function, function).apply
+    if base is None or unwrap is None or not issubclass(EagerLayerStep, base):
+        return EagerLayerStep.apply
+    apply = super(torch.autograd.Function, EagerLayerStep).apply
 
     def eager_apply(x, weight, bias, residual, *rest):
         return apply(unwrap(x), None if weight is None else unwrap(weight),
@@ -578,7 +577,7 @@ def _eager_apply_of(function):
     return eager_apply
 
 
-_eager_layer_step = _eager_apply_of(EagerLayerStep)
+_eager_layer_step = _eager_apply()
 
 
 def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,

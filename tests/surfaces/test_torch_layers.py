@@ -539,9 +539,9 @@ def test_without_the_private_apply_the_layers_take_the_public_one(monkeypatch):
     gets torch.autograd.Function.apply itself, and the same bits."""
     x, dy = data((4, 3, 5, 5))
     monkeypatch.delattr(torch._C._functorch, "unwrap_if_dead")
-    assert ops._eager_apply_of(ops.EagerLayerStep) == ops.EagerLayerStep.apply
+    assert ops._eager_apply() == ops.EagerLayerStep.apply
     results = []
-    for step in (ops._eager_apply_of(ops.EagerLayerStep), ops._eager_layer_step):
+    for step in (ops._eager_apply(), ops._eager_layer_step):
         monkeypatch.setattr(ops, "_eager_layer_step", step)
         layer, leaf = bag.BatchNorm(3), x.clone().requires_grad_()
         y = layer(leaf)
