@@ -179,6 +179,7 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
             "threads": s.nthreads,
             "sums": ("exact", "blocked", "blocked-even-odd")[s.sums],
             "stream_dx": bool(s.stream_dx),
+            "from_line": bool(s.from_line),
             "group": s.group,
             "items": s.items,
             # the split: the elements of each thread's run of items

@@ -333,6 +333,7 @@ cdef inline void io_start(const Work *w, bnbw_io *io) noexcept nogil:
     """The parts of a kernel call every row shares: storage types, which operands it has."""
     io.dt = w.p.big_dtype
     io.stream_dx = w.s.stream_dx
+    io.from_line = w.s.from_line
     io.mask_dt = w.p.mask_dtype if w.mask != NULL else BNBW_NO_MASK
     io.mask = NULL
     io.dx = NULL

@@ -58,6 +58,7 @@ cdef extern from "bnbw_kernels.h" nogil:
         int dt
         int mask_dt
         int stream_dx
+        int from_line
     ctypedef struct bnbw_run:
         int64_t count
         int64_t x, dy, mask, dx, dres

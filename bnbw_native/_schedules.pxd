@@ -24,6 +24,8 @@ ctypedef struct Schedule:
     int sums                   # the kernels' sum mode: exact, or f32 blocks (and lane order)
     bint streaming             # x and dy outgrow a cache share: a hint for the visiting order
     bint stream_dx             # the call's data outgrow the caches: dx past them (f32)
+    bint from_line             # channel-last data that stay in the caches: rows of whole lines
+                               # may be walked from x's first line
     int64_t group              # channels per item (channel-last slices, sweeps, fused groups)
     int64_t ngroups
     int64_t items              # work items of the first pass

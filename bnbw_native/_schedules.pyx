@@ -265,6 +265,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.sums = BNBW_EXACT_SUMS
     s.streaming = False
     s.stream_dx = False
+    s.from_line = False
     s.group = 1
     s.ngroups = 0
     s.items = 0
@@ -284,6 +285,12 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
                    and (stream_policy == 1
                         or (4 * p.inner_size >= STREAM_ROW_MIN
                             and 3 * 4 * C * p.count > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
+    # Loads that straddle two lines cost in the caches, not from memory: walked from x's first
+    # line, calls in the L2 or L3 ran 5-20% faster and calls past them 0-10% slower
+    # (docs/benchmark-history.md, 6f)
+    s.from_line = (p.channel_last
+                   and 3 * itemsize(p.big_dtype) * C * p.count
+                   <= cache_l3_bytes + s.nthreads * cache_l2_bytes)
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
     elif thread_work_floor > 0:

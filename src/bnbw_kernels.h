@@ -107,6 +107,8 @@ typedef struct bnbw_io {
     int dt;                  /* storage type of x, dy, dx, dres */
     int mask_dt;             /* dt, BNBW_BOOL, or BNBW_NO_MASK */
     int stream_dx;           /* a hint: write f32 dx past the caches in whole 64-byte lines */
+    int from_line;           /* a hint: the data stay in the caches, so dense rows of whole
+                                lines may be walked from x's first line (bnbw_kernels_impl.h) */
 } bnbw_io;
 
 /* A run of `count` channel-major rows of adjacent channels: row r of each operand starts

@@ -1095,6 +1095,49 @@ BNBW_INLINE int64_t k__rows_lead(const bnbw_io *io, int64_t n)
     const int64_t lead = (int64_t)((64 - at % 64) % 64) / isz;
     return n - lead >= 16 ? lead : 0;
 }
+/* Dense channel-last rows of whole 64-byte lines, at most K__CUT_ROWS_ABOVE bytes wide, whose
+ * x starts inside a line (numpy's arrays start 16 bytes into one) are walked from x's first
+ * line instead, where the engine says the data stay in the caches (io->from_line: from memory
+ * the straddling loads cost nothing and the rotated walk measured slower).  They are walked as
+ * rows of the same width with the channels rotated: row 0's first `a` channels go alone, then
+ * rows - 1 rotated rows (channels a..n-1 of row j, then 0..a-1 of row j + 1), then the last
+ * row's channels a..n-1.  Every load of the middle call starts on a line,
+ * no channel is read twice, and each channel still takes its rows in row order into the sums it
+ * carries, whichever lane carries it: the same bits.  Only where every operand's rows follow
+ * each other (steps of n elements), with at least one block of rows (the rotated copies of the
+ * per-channel arrays cost about a row), and - for the backward's sums - only exact ones:
+ * blocked sums group 16 rows from the call's first, which a rotation would shift. */
+#define K__ROTATE_MAX (K__CUT_ROWS_ABOVE / 2)
+BNBW_INLINE int64_t k__rows_rotation(const bnbw_io *io, int64_t rows, int64_t n)
+{
+    const int64_t isz = BNBW_ITEMSIZE(io->dt);
+    const uintptr_t at = (uintptr_t)io->x;
+    if (!io->from_line || io->x == NULL || rows < BNBW_BLOCK_ROWS || io->x_step != n
+        || n * isz > K__CUT_ROWS_ABOVE || (n * isz) % 64 != 0 || at % 64 == 0
+        || at % (uintptr_t)isz != 0 || (io->dy != NULL && io->dy_step != n)
+        || (io->mask != NULL && io->mask_step != n) || (io->dx != NULL && io->dx_step != n)
+        || (io->dres != NULL && io->dres_step != n))
+        return 0;
+    return (int64_t)(64 - at % 64) / isz;
+}
+/* dst[k] = src[(a + k) % n], and back */
+BNBW_INLINE const float *k__rotated(const float *src, int64_t n, int64_t a, float *dst)
+{
+    memcpy(dst, src + a, (size_t)(n - a) * sizeof(float));
+    memcpy(dst + n - a, src, (size_t)a * sizeof(float));
+    return dst;
+}
+BNBW_INLINE double *k__rotated_sums(const double *src, int64_t n, int64_t a, double *dst)
+{
+    memcpy(dst, src + a, (size_t)(n - a) * sizeof(double));
+    memcpy(dst + n - a, src, (size_t)a * sizeof(double));
+    return dst;
+}
+BNBW_INLINE void k__unrotate_sums(const double *src, int64_t n, int64_t a, double *dst)
+{
+    memcpy(dst + a, src, (size_t)(n - a) * sizeof(double));
+    memcpy(dst, src + n - a, (size_t)a * sizeof(double));
+}
 /* The same call from channel `c` on */
 BNBW_INLINE bnbw_io k__rows_from(const bnbw_io *io, int64_t c)
 {
@@ -1118,11 +1161,31 @@ BNBW_INLINE bnbw_io k__rows_from(const bnbw_io *io, int64_t c)
         }                                                                                   \
     } while (0)
 
+/* A rotated walk of a summing kernel F(io, rows, n, mean, sums, sums_2, ...), from channel
+ * `a` (k__rows_rotation): the middle call takes the per-channel arrays rotated. */
+#define K__ROTATED_SUMS(F, MEAN, S1, S2, ...) do {                                          \
+        float m_[K__ROTATE_MAX];                                                            \
+        double s1_[K__ROTATE_MAX], s2_[K__ROTATE_MAX];                                      \
+        const bnbw_io middle_ = k__rows_from(io, a);                                        \
+        const bnbw_io last_ = k__rows_from(io, (rows - 1) * n + a);                         \
+        F(io, 1, a, MEAN, S1, S2, __VA_ARGS__);                                             \
+        F(&middle_, rows - 1, n, k__rotated(MEAN, n, a, m_), k__rotated_sums(S1, n, a, s1_), \
+          k__rotated_sums(S2, n, a, s2_), __VA_ARGS__);                                     \
+        k__unrotate_sums(s1_, n, a, S1);                                                    \
+        k__unrotate_sums(s2_, n, a, S2);                                                    \
+        F(&last_, 1, n - a, MEAN + a, S1 + a, S2 + a, __VA_ARGS__);                         \
+    } while (0)
+
 static void K__NAME(reduce_rows)(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
                                  double *sum_g, double *sum_xg, int streaming, int sums)
 {
     void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, double *, double *, int,
                     int) = k_reduce_rows_variants[k__variant(io)];
+    const int64_t a = sums == BNBW_EXACT_SUMS ? k__rows_rotation(io, rows, n) : 0;
+    if (a != 0) {
+        K__ROTATED_SUMS(f, mean, sum_g, sum_xg, streaming, sums);
+        return;
+    }
     K__PEEL(f(io, rows, n, mean, sum_g, sum_xg, streaming, sums),
             f(io, rows, lead, mean, sum_g, sum_xg, streaming, sums),
             f(&rest, rows, n - lead, mean + lead, sum_g + lead, sum_xg + lead, streaming, sums));
@@ -1133,6 +1196,16 @@ static void K__NAME(apply_rows)(const bnbw_io *io, int64_t rows, int64_t n, cons
 {
     void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, const float *,
                     const float *, const float *) = k_apply_rows_variants[k__variant(io)];
+    const int64_t a = k__rows_rotation(io, rows, n);
+    if (a != 0) {
+        float m[K__ROTATE_MAX], r1[K__ROTATE_MAX], r2[K__ROTATE_MAX], r3[K__ROTATE_MAX];
+        const bnbw_io middle = k__rows_from(io, a), last = k__rows_from(io, (rows - 1) * n + a);
+        f(io, 1, a, mean, k1, k2, k3);
+        f(&middle, rows - 1, n, k__rotated(mean, n, a, m), k__rotated(k1, n, a, r1),
+          k__rotated(k2, n, a, r2), k__rotated(k3, n, a, r3));
+        f(&last, 1, n - a, mean + a, k1 + a, k2 + a, k3 + a);
+        return;
+    }
     K__PEEL(f(io, rows, n, mean, k1, k2, k3), f(io, rows, lead, mean, k1, k2, k3),
             f(&rest, rows, n - lead, mean + lead, k1 + lead, k2 + lead, k3 + lead));
 }
@@ -1141,6 +1214,15 @@ static void K__NAME(scale_rows)(const bnbw_io *io, int64_t rows, int64_t n, cons
 {
     void (*const f)(const bnbw_io *, int64_t, int64_t, const float *) =
         k_scale_rows_variants[k__variant(io)];
+    const int64_t a = k__rows_rotation(io, rows, n);
+    if (a != 0) {
+        float r1[K__ROTATE_MAX];
+        const bnbw_io middle = k__rows_from(io, a), last = k__rows_from(io, (rows - 1) * n + a);
+        f(io, 1, a, k1);
+        f(&middle, rows - 1, n, k__rotated(k1, n, a, r1));
+        f(&last, 1, n - a, k1 + a);
+        return;
+    }
     K__PEEL(f(io, rows, n, k1), f(io, rows, lead, k1), f(&rest, rows, n - lead, k1 + lead));
 }
 
@@ -1265,6 +1347,11 @@ static void K__NAME(stats_rows)(const bnbw_io *io, int64_t rows, int64_t n, cons
 {
     void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, double *, double *, int) =
         k_stats_rows_variants[k__type(io)];
+    const int64_t a = k__rows_rotation(io, rows, n);
+    if (a != 0) {
+        K__ROTATED_SUMS(f, shift, sum, sum_sq, streaming);
+        return;
+    }
     K__PEEL(f(io, rows, n, shift, sum, sum_sq, streaming),
             f(io, rows, lead, shift, sum, sum_sq, streaming),
             f(&rest, rows, n - lead, shift + lead, sum + lead, sum_sq + lead, streaming));
@@ -1275,6 +1362,16 @@ static void K__NAME(normalize_rows)(const bnbw_io *io, int64_t rows, int64_t n,
 {
     void (*const f)(const bnbw_io *, int64_t, int64_t, const float *, const float *,
                     const float *) = k_normalize_rows_variants[k__mode(relu)][k__type(io)];
+    const int64_t a = k__rows_rotation(io, rows, n);
+    if (a != 0) {
+        float m[K__ROTATE_MAX], rk[K__ROTATE_MAX], rb[K__ROTATE_MAX];
+        const bnbw_io middle = k__rows_from(io, a), last = k__rows_from(io, (rows - 1) * n + a);
+        f(io, 1, a, mean, k, b);
+        f(&middle, rows - 1, n, k__rotated(mean, n, a, m), k__rotated(k, n, a, rk),
+          k__rotated(b, n, a, rb));
+        f(&last, 1, n - a, mean + a, k + a, b + a);
+        return;
+    }
     K__PEEL(f(io, rows, n, mean, k, b), f(io, rows, lead, mean, k, b),
             f(&rest, rows, n - lead, mean + lead, k + lead, b + lead));
 }

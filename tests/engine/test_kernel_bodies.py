@@ -292,15 +292,21 @@ def _at_offset(a, offset):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(3, 2, 1040), (5, 1056), (3, 1041), (5, 3, 64)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 2, 1040), (5, 1056), (3, 1041), (5, 3, 64), (4, 4, 64),
+                                   (9, 5, 64), (40, 16), (33, 48), (20, 512), (17, 1024)],
+                         ids=str)
 @pytest.mark.parametrize("body", bodies())
 def test_results_do_not_depend_on_where_x_starts_in_its_line(rng, dtype, shape, body):
     """Channel-last kernels cut rows wider than 2 KiB at x's first line boundary (the channels
-    before it go alone): the lane a channel falls in must not change a bit.  x, dy and dx at
-    every offset into a 64-byte line give the bits of line-aligned arrays, backward (training,
-    frozen, ReLU mask) and forward, on every body; rows of whole lines wide enough to cut in
-    every storage type (1040, 1056 channels: 16 + 16 lines and a leftover run), rows that are
-    not whole lines (1041) and rows too narrow to cut (64)."""
+    before it go alone), and walk narrower dense rows of whole lines from that boundary with
+    the channels rotated (from a block of 16 rows on): the lane a channel falls in must not
+    change a bit.  x, dy and the mask at every offset into a 64-byte line (dx where numpy puts
+    it) give the bits of line-aligned arrays, backward (training, frozen, ReLU mask) and
+    forward, on every body.  Rows of whole lines wide enough to cut in every storage type (1040,
+    1056 channels: 16 + 16 lines and a leftover run); rows that are not whole lines (1041);
+    rows of whole lines too few to rotate (15 rows of 64) and just enough (16), more (45 rows
+    of 64); one line of f32 (16 channels) and three (48), which halves fill only partly; 2 KiB
+    of f32 (512), the widest rotated row, and of halves (1024), which f32 cuts instead."""
     x, dy, mean, var, gamma = _inputs(rng, shape, dtype, "NXC", special=False)
     mask = x > 1
 

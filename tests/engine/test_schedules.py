@@ -336,6 +336,49 @@ def test_dx_streams_in_long_channel_major_rows_that_outgrow_the_caches(
     assert describe(x, data_format)["stream_dx"] is False
 
 
+@pytest.mark.parametrize("shape, data_format", [((8, 16, 16, 64), "NXC"), ((8, 64, 16, 16), "NCX")])
+def test_channel_last_rows_are_walked_from_a_line_only_while_the_data_stay_in_the_caches(
+        rng, cache_model, shape, data_format):
+    """from_line (rotated walks of rows that start inside a 64-byte line) holds for channel-last
+    calls whose x, dy and dx fit in the L3 and every thread's L2, and never for channel-major
+    ones; either way the bits are those of line-aligned arrays."""
+    x = rng.normal(3, 2, shape).astype(np.float32)
+    dy = rng.normal(0, 1, shape).astype(np.float32)
+    axes = (0, 1, 2) if data_format == "NXC" else (0, 2, 3)
+    mean = x.mean(axis=axes, dtype=np.float64).astype(np.float32)
+    var = x.var(axis=axes, dtype=np.float64).astype(np.float32)
+    gamma = rng.normal(1, 0.2, mean.shape).astype(np.float32)
+
+    def at_16(a):           # 16 bytes into a line, as numpy places large arrays
+        raw = np.empty(a.nbytes + 128, np.uint8)
+        skip = (16 - raw.ctypes.data) % 64
+        out = raw[skip:skip + a.nbytes].view(a.dtype).reshape(a.shape)
+        out[...] = a
+        return out
+
+    def run():
+        a, g = at_16(x), at_16(dy)
+        return _bits([*batchnorm_training_backward(a, g, mean, var, gamma, epsilon=1e-5,
+                                                   data_format=data_format),
+                      *bnbw_native.batchnorm_training_forward(a, mean, var, gamma, gamma,
+                                                              epsilon=1e-5,
+                                                              data_format=data_format)])
+
+    want = _bits([*batchnorm_training_backward(x, dy, mean, var, gamma, epsilon=1e-5,
+                                               data_format=data_format),
+                  *bnbw_native.batchnorm_training_forward(x, mean, var, gamma, gamma,
+                                                          epsilon=1e-5,
+                                                          data_format=data_format)])
+    for threads in (1, 2):
+        cache_model(64 << 10, 256 << 10, 2)         # 3 x 512 KiB outgrow these
+        assert describe(x, data_format, num_threads=threads)["from_line"] is False
+        assert run() == want
+        cache_model(*LARGE_CACHE)
+        assert (describe(x, data_format, num_threads=threads)["from_line"]
+                is (data_format == "NXC"))
+        assert run() == want
+
+
 def _sysfs_caches():
     """{level: (bytes, CPUs sharing it)} of CPU 0's data and unified caches, as sysfs lists
     them (empty where there is no sysfs)."""
