@@ -1083,7 +1083,8 @@ static void K__NAME(scale_row)(const bnbw_io *io, int64_t n, float k1)
  * go alone, in a pass of their own over the rows, and every load of the rest starts on a line
  * instead of straddling two.  Each channel is one lane whose sums take its rows in row order,
  * so the lane a channel falls in never changes a bit.  Only where every row starts at the same
- * place in its line.  Narrower rows keep their straddling loads: the extra pass costs more. */
+ * place in its line.  On narrower rows the extra pass costs more than it saves: those are
+ * walked from the line instead (k__rows_rotation). */
 #define K__CUT_ROWS_ABOVE 2048
 BNBW_INLINE int64_t k__rows_lead(const bnbw_io *io, int64_t n)
 {
