@@ -178,6 +178,7 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
             "schedule": SCHEDULE_NAMES[s.kind],
             "threads": s.nthreads,
             "sums": ("exact", "blocked", "blocked-even-odd")[s.sums],
+            "streaming": bool(s.streaming),
             "stream_dx": bool(s.stream_dx),
             "from_line": bool(s.from_line),
             "group": s.group,

@@ -22,7 +22,8 @@ ctypedef struct Schedule:
     int kind                   # ScheduleKind
     int nthreads               # threads that run the items (1: the calling thread alone)
     int sums                   # the kernels' sum mode: exact, or f32 blocks (and lane order)
-    bint streaming             # x and dy outgrow a cache share: a hint for the visiting order
+    bint streaming             # channel-last rows come from memory: a hint for the visiting
+                               # order
     bint stream_dx             # the call's data outgrow the caches: dx past them (f32)
     bint from_line             # channel-last data that stay in the caches: rows of whole lines
                                # may be walked from x's first line

@@ -259,6 +259,8 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil:
     cdef int64_t C = p.channels
     cdef int64_t budget, most, g, paid
+    # the bytes of the call's three big tensors, x, dy and dx (the forward's two count as three)
+    cdef int64_t tensors = 3 * itemsize(p.big_dtype) * C * p.count
     cdef bint sums = (op & OP_REDUCE) != 0
     cdef bint dx = (op & OP_DX) != 0
     s.nthreads = nthreads if nthreads > 0 else 1
@@ -276,7 +278,6 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
         s.nthreads = 1
         return
     s.sums = _sum_mode(p, op)
-    s.streaming = 2 * itemsize(p.big_dtype) * C * p.count > cache_l2_bytes
     # dx past the caches when the call's big tensors cannot stay in them anyway (its lines
     # then skip the read for ownership a cached store pays), in channel-major rows long enough
     # that the partial lines at their ends, stored plainly, are few.  Channel-last slices are
@@ -284,13 +285,11 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.stream_dx = (dx and p.big_dtype == DT_F32 and not p.channel_last and stream_policy != 0
                    and (stream_policy == 1
                         or (4 * p.inner_size >= STREAM_ROW_MIN
-                            and 3 * 4 * C * p.count > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
+                            and tensors > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
     # Loads that straddle two lines cost in the caches, not from memory: walked from x's first
     # line, calls in the L2 or L3 ran 5-20% faster and calls past them 0-10% slower
     # (docs/benchmark-history.md, 6f)
-    s.from_line = (p.channel_last
-                   and 3 * itemsize(p.big_dtype) * C * p.count
-                   <= cache_l3_bytes + s.nthreads * cache_l2_bytes)
+    s.from_line = p.channel_last and tensors <= cache_l3_bytes + s.nthreads * cache_l2_bytes
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
     elif thread_work_floor > 0:
@@ -298,6 +297,13 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
                 // thread_work_floor)
         if s.nthreads > paid:
             s.nthreads = <int> paid if paid > 1 else 1
+    # Channel-last rows are visited one at a time only when they come from memory: past the
+    # threads' L2s and one CPU's share of the L3 (the L3 also serves cores the process cannot
+    # count).  Measured on a 2-core Zen 4 guest, rows four at a time ran 1.1-2.8x faster within
+    # that and up to 1.9x slower past it (docs/benchmark-history.md, 6g)
+    s.streaming = p.channel_last and tensors > (
+        s.nthreads * cache_l2_bytes
+        + cache_l3_bytes // (cache_l3_sharers if cache_l3_sharers > 1 else 1))
     if p.channel_last:
         _choose_last(p, op, s)
         return

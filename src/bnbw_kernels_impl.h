@@ -363,15 +363,16 @@ BNBW_INLINE void k__reduce_rows_blocked(const bnbw_io *io, int64_t rows, int64_t
  * visit addresses a row stride apart, which for power-of-two strides all fall into one L1 set.
  * When the rows stream from memory (`streaming`), a row goes on its own when the kernel reads
  * more than 256 B of it (x and dy in the backward: rows of more than 32 f32 channels; x alone
- * for the forward's statistics: more than 64) and x's row is at most 4 KiB: four rows
+ * for the forward's statistics: more than 64) and x's row is at most 2 KiB: four rows
  * interleaved line by line defeat the hardware prefetchers, which follow one stream in address
- * order, and the sums of a row (16 B a channel, at most 16 KiB) stay in L1 from row to row.
+ * order, and the sums of a row (16 B a channel, at most 8 KiB) stay in L1 from row to row.
  * Below 256 B per row, loading and storing the sums for every row costs more than the order
- * saves; wider rows go four at a time again, as their sums would crowd the L1.  Either way each
+ * saves; past 2 KiB, four at a time measured as fast from memory, and up to 2x faster from
+ * 3 KiB, where a row's sums crowd the L1 (docs/benchmark-history.md, 6g).  Either way each
  * channel adds its rows in row order: the same bits. */
 #define K__ROW_GROUP 4
 #define K__ONE_ROW_READS 257
-#define K__ONE_ROW_TO 4096
+#define K__ONE_ROW_TO 2048
 
 /* Rows per visit of a channel run: `arrays` rows of x's width are read per row (x, or x and
  * dy). */

@@ -114,10 +114,11 @@ def test_every_schedule_and_thread_count_gives_the_same_bits(rng, cache_model, d
 
 
 # Channel-last rows that stream (NO_CACHE: every call does) are read one at a time when a pass
-# reads 257 B to 4 KiB of each: x and dy from 33 float32 channels (17 in 16 bits), x alone from
-# 65 (129).  Those loops, and the elementwise ones, take two runs of 16 channels per step: odd
-# and even run counts, with and without a tail of channels, on both sides of both thresholds.
-ROW_LOOP_CHANNELS = [48, 53, 80, 144, 167, 1008]
+# reads more than 256 B of each and x's row is at most 2 KiB: x and dy from 33 float32 channels
+# (17 in 16 bits), x alone from 65 (129), up to 512 float32 channels (1024 in 16 bits).  Those
+# loops, and the elementwise ones, take two runs of 16 channels per step: odd and even run
+# counts, with and without a tail of channels, on both sides of every threshold.
+ROW_LOOP_CHANNELS = [48, 53, 80, 144, 167, 512, 519, 1008, 1031]
 
 
 @pytest.mark.parametrize("dtype", [np.float32] + ([BF16] if BF16 is not None else []),
@@ -377,6 +378,27 @@ def test_channel_last_rows_are_walked_from_a_line_only_while_the_data_stay_in_th
         assert (describe(x, data_format, num_threads=threads)["from_line"]
                 is (data_format == "NXC"))
         assert run() == want
+
+
+@pytest.mark.parametrize("formula", ["training", "forward"])
+def test_channel_last_rows_stream_past_the_threads_l2s_and_one_cpus_share_of_the_l3(
+        cache_model, formula):
+    """streaming (channel-last rows visited one at a time) holds when x, dy and dx outgrow the
+    L2s of the call's threads and the L3 over the CPUs sharing it - on both sides of that
+    budget, for each thread count - and never for channel-major calls."""
+    x = np.empty((1024, 256), np.float32)            # 1 MiB: three tensors of 3 MiB
+    for sharers, threads, streams in [(4, 1, True),   # 0.5 + 2 MiB
+                                      (4, 2, False),  # 1 + 2 MiB: exactly the tensors
+                                      (4, 3, False),
+                                      (8, 2, True),   # 1 + 1 MiB
+                                      (1, 1, False),  # 0.5 + 8 MiB
+                                      (0, 1, False)]:  # (sharers unknown: the whole L3)
+        cache_model(512 << 10, 8 << 20, sharers)
+        facts = tuning.describe(x, "NXC", formula=formula, num_threads=threads)
+        assert facts["threads"] == threads
+        assert facts["streaming"] is streams, (sharers, threads)
+        assert tuning.describe(x.reshape(4, 256, 256), "NCX", formula=formula,
+                               num_threads=threads)["streaming"] is False
 
 
 def _sysfs_caches():
