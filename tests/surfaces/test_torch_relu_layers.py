@@ -7,8 +7,6 @@ test_refusals.py.
 """
 import copy
 import operator
-import os
-import sys
 import warnings
 
 import numpy as np
@@ -18,7 +16,6 @@ torch = pytest.importorskip("torch")
 from bnbw_native import _torch_ops as ops  # noqa: E402  (after the importorskip)
 from bnbw_native import autograd as bag  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
             5: torch.nn.BatchNorm3d}
 
@@ -322,23 +319,12 @@ def test_convert_sync_and_already_converted():
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
     """Three gloo ranks (one of them empty) running dist/torch_worker.py."""
-    from test_distributed import BOUNDS, free_port, load_ranks, make_batch, run_all, \
-        worker_env
+    from test_distributed import BOUNDS, launch_gloo, make_batch
     tmp = tmp_path_factory.mktemp("gloo_relu")
     data = make_batch(tmp / "data.npz")
     data["bounds"] = np.array(BOUNDS[3])
     np.savez(tmp / "data.npz", **data)
-    worker = os.path.join(HERE, "dist", "torch_worker.py")
-    for attempt in range(2):        # the free port can be taken before rank 0 binds it
-        env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        codes, text = run_all([[sys.executable, worker, str(r), "3", str(tmp / "data.npz"),
-                                str(tmp)] for r in range(3)], env, tmp)
-        if not any(codes):
-            break
-        if attempt == 0 and "ddress already in use" in text:
-            continue
-        pytest.fail(f"a rank failed (return codes {codes}):\n{text}")
-    return data, load_ranks(tmp, 3)
+    return data, launch_gloo(3, tmp)
 
 
 @pytest.mark.parametrize("tag", ["modrelu_cf", "modrelu_cl"])
