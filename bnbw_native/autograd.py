@@ -32,6 +32,7 @@ Storage types: x float32, float16 or bfloat16 (bfloat16 in the Sync layers needs
 parameters and statistics float32, as torch.nn.BatchNorm2d keeps them.  Double backward is not
 supported.
 """
+import collections
 import operator
 import warnings
 from typing import Any, Dict, Optional, Type
@@ -162,8 +163,8 @@ class BatchNorm(torch.nn.Module):
         """The operators' name for the group whose batch this layer normalises ("": none)."""
         return ""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._train_or_eval(x, None)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:   # torch's name: bn(input=x)
+        return self._train_or_eval(input, None)
 
     def _train_or_eval(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """The layer's y; with a residual (the add layer): max(bn(x) + residual, 0)."""
@@ -250,9 +251,9 @@ class BatchNormAddReLU(BatchNorm):
 
     _relu = True
 
-    def forward(self, x: torch.Tensor,  # type: ignore[override]
+    def forward(self, input: torch.Tensor,  # type: ignore[override]
                 residual: torch.Tensor) -> torch.Tensor:
-        return self._train_or_eval(x, residual)
+        return self._train_or_eval(input, residual)
 
 
 class SyncBatchNorm(BatchNorm):
@@ -352,18 +353,21 @@ def _convert_tree(module: torch.nn.Module, sync: bool, process_group: Any,
     with fuse_relu, inside every nn.Sequential a batch norm followed by a plain ReLU becomes the
     ReLU layer and the ReLU nn.Identity()."""
     from torch.nn.modules.batchnorm import _BatchNorm
-    children = list(module.named_children())
+    # every slot, in order: named_children() lists a module held twice once, which would make
+    # a batch norm look followed by a ReLU that is not the next slot
+    children = list(module._modules.items())
     fuse = fuse_relu and isinstance(module, torch.nn.Sequential)
     skip = set()
     for i, (name, child) in enumerate(children):
-        if name in skip:
+        if name in skip or child is None:
             continue
         path = prefix + name
         is_bn = isinstance(child, (_BatchNorm, BatchNorm))
         if is_bn and not _convertible(child, path):
             continue
         relu = (fuse and is_bn and not getattr(child, "_relu", False)
-                and i + 1 < len(children) and _fusable_relu(children[i + 1][1]))
+                and i + 1 < len(children) and children[i + 1][1] is not None
+                and _fusable_relu(children[i + 1][1]))
         if isinstance(child, _BatchNorm) or (isinstance(child, BatchNorm) and relu):
             module.add_module(name, _replacement(child, relu, sync, process_group,
                                                  num_threads))
@@ -407,6 +411,22 @@ def _residual_add(node: Any, source: Any) -> Any:
     return None
 
 
+def _keep_order(copy: torch.nn.Module, original: torch.nn.Module) -> None:
+    """Put `copy`'s submodules, parameters and buffers (a GraphModule's: registered in the
+    order the forward calls them) back in `original`'s order, level by level, so that
+    parameters(), state_dict() and an optimizer's state keep their order."""
+    for attr in ("_modules", "_parameters", "_buffers"):
+        mine, theirs = getattr(copy, attr), getattr(original, attr)
+        order = [k for k in theirs if k in mine] + [k for k in mine if k not in theirs]
+        items = [(k, mine[k]) for k in order]
+        mine.clear()
+        mine.update(items)
+    for name, child in copy._modules.items():
+        source = original._modules.get(name)
+        if child is not None and source is not None and child is not source:
+            _keep_order(child, source)
+
+
 def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
                    num_threads: Optional[int]) -> Optional[torch.nn.Module]:
     """The model's forward traced by torch.fx, each batch norm whose output goes only to a ReLU
@@ -428,14 +448,17 @@ def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
                       "by a ReLU inside nn.Sequential were fused", RuntimeWarning, stacklevel=3)
         return module
     gm = torch.fx.GraphModule(module, graph, name)
+    _keep_order(gm, module)
     modules = dict(gm.named_modules())
+    # a layer called at several places is replaced at all of them: fused only if called once
+    calls = collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
     fused = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
         bn = modules[node.target]
         if (not isinstance(bn, BatchNorm) or bn._relu or len(node.users) != 1
-                or len(node.args) != 1 or node.kwargs):
+                or len(node.args) != 1 or node.kwargs or calls[node.target] != 1):
             continue
         (after,) = node.users
         parent, _, leaf = node.target.rpartition(".")
@@ -465,9 +488,9 @@ def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
         return None
     if list(gm.state_dict()) != list(module.state_dict()):
         warnings.warn(f"convert_batchnorm(fuse_relu=True): the traced {name} would not keep "
-                      "every state-dict key (a part its forward never calls); only batch "
-                      "norms followed by a ReLU inside nn.Sequential were fused",
-                      RuntimeWarning, stacklevel=3)
+                      "its state-dict keys (a part its forward never calls, or reaches "
+                      "otherwise than as a submodule); only batch norms followed by a ReLU "
+                      "inside nn.Sequential were fused", RuntimeWarning, stacklevel=3)
         return module
     gm.graph.lint()
     gm.recompile()
@@ -492,8 +515,9 @@ def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_gr
       out += identity; relu(out)` - becomes BatchNormAddReLU, called as layer(x, identity)
       (not with sync).  The model then comes back as a torch.fx.GraphModule with the same
       submodules, parameters, buffers and state_dict keys, whose forward no longer calls
-      those adds and ReLUs.  A model torch.fx cannot trace keeps the Sequential rule alone,
-      with a RuntimeWarning that says so.
+      those adds and ReLUs, its parameters and keys in their old order.  A batch norm the
+      forward calls at more than one place is not fused.  A model torch.fx cannot trace
+      keeps the Sequential rule alone, with a RuntimeWarning that says so.
     Layers already converted (BatchNorm) followed by a ReLU are fused too.  A ReLU with hooks is
     left alone; a batch norm with hooks is left unconverted, with a RuntimeWarning; an
     uninitialised LazyBatchNorm*d is refused (ValueError: run one forward first).

@@ -479,6 +479,87 @@ def test_a_batch_norm_whose_output_is_used_elsewhere_is_not_fused():
     assert type(net) is Net and type(net.bn) is bag.BatchNorm
 
 
+class TwoCalls(torch.nn.Module):
+    """One batch norm called at two places, a ReLU (or the residual block's add and ReLU)
+    after one of them only."""
+
+    def __init__(self, add):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.add = add
+
+    def forward(self, x, z):
+        y = self.bn(x)
+        if self.add:
+            y += z
+        return torch.relu(y), self.bn(z)
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["relu", "add-relu"])
+def test_a_batch_norm_called_at_two_places_is_not_fused(add):
+    ref = TwoCalls(add)
+    net = bag.convert_batchnorm(copy.deepcopy(ref), fuse_relu=True)
+    assert type(net.bn) is bag.BatchNorm
+    x, z = torch.randn(3, 4, 5, 5), torch.randn(3, 4, 5, 5)
+    got, want = net(x, z), ref(x, z)
+    assert bool((got[1] < 0).any())          # the second call has no ReLU
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-5
+    assert rel_err(net.bn.running_mean, ref.bn.running_mean) <= 1e-6
+
+
+def test_a_module_held_twice_in_a_sequential_fuses_only_where_a_relu_follows_it():
+    conv, bn = torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4)
+    # the same convolution before and after the batch norm: the ReLU follows the convolution
+    tied = torch.nn.Sequential(conv, bn, conv, torch.nn.ReLU())
+    net = bag.convert_batchnorm(copy.deepcopy(tied), fuse_relu=True)
+    assert [type(m) for m in net] == [torch.nn.Conv2d, bag.BatchNorm, torch.nn.Conv2d,
+                                      torch.nn.ReLU]
+    x = torch.randn(3, 4, 5, 5)
+    assert rel_err(net(x), tied(x)) <= 1e-5
+    # the same batch norm twice, a ReLU after the second: each place its own layer, one
+    # tensor of parameters and statistics
+    twice = torch.nn.Sequential(bn, bn, torch.nn.ReLU())
+    net = bag.convert_batchnorm(copy.deepcopy(twice), fuse_relu=True)
+    assert [type(m) for m in net] == [bag.BatchNorm, bag.BatchNormReLU, torch.nn.Identity]
+    assert net[0].weight is net[1].weight and net[0].running_var is net[1].running_var
+    assert list(net.state_dict()) == list(twice.state_dict())
+    assert rel_err(net(x), twice(x)) <= 1e-5
+    assert rel_err(net[0].running_var, twice[0].running_var) <= 1e-6
+
+
+def test_a_traced_model_keeps_the_order_of_its_parameters_and_keys():
+    class Net(torch.nn.Module):       # parts made in another order than the forward calls them
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.head = torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 4, 1))
+            self.conv = torch.nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.bn(self.conv(x))))
+
+    ref = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = bag.convert_batchnorm(copy.deepcopy(ref), fuse_relu=True)
+    assert isinstance(net, torch.fx.GraphModule) and type(net.bn) is bag.BatchNormReLU
+    assert list(net.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in net.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    x = torch.randn(3, 4, 5, 5)
+    assert rel_err(net(x), ref(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("make", [bag.BatchNorm, bag.BatchNormReLU])
+def test_layers_take_torchs_argument_name(make):
+    layer, ref = make(4), torch.nn.BatchNorm2d(4)
+    x = torch.randn(3, 4, 5, 5)
+    want = ref(input=x)
+    assert rel_err(layer(input=x), want.relu() if make is bag.BatchNormReLU else want) <= 1e-5
+    add = bag.BatchNormAddReLU(4)
+    assert rel_err(add(input=x, residual=x), (ref(x) + x).relu()) <= 1e-5
+
+
 def test_an_untraceable_forward_keeps_the_sequential_rule_and_says_so():
     class Net(torch.nn.Module):
         def __init__(self):
