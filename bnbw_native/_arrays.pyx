@@ -28,6 +28,7 @@ from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Momentum, Conven
                                  FAMILY_ARRAYS, FAMILY_DIRECTML, MESSAGE_CAP, check_call,
                                  layout_of, copy_name, parse_real, raise_status)
 from bnbw_native._engine cimport engine_run, engine_describe
+from bnbw_native._overlap cimport may_share
 
 from bnbw_native._dlpack import as_array, output_array
 from bnbw_native._rules import check_count, requested_threads
@@ -146,10 +147,11 @@ cdef bint _fill_tensor(Arg *a, t) except -1:
 
 
 cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep,
-                        bint tensors):
+                        bint tensors, list copied=None):
     """An input argument: any array-like; copied only when the kernels could not read it in
-    place (non-native byte order, misaligned).  Returns the array the engine reads (None for a
-    tensor read in place, when `tensors`)."""
+    place (non-native byte order, misaligned), the caller's array then added to `copied` as
+    (role, array).  Returns the array the engine reads (None for a tensor read in place, when
+    `tensors`)."""
     cdef cnp.ndarray arr
     if tensors and type(obj) in _tensor_types:
         if _fill_tensor(a, obj) and a.aligned:
@@ -165,6 +167,8 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
         arr = as_array(obj, conv.rules.names[role].decode())
         keep.append(arr)
     if not (cnp.PyArray_ISNOTSWAPPED(arr) and cnp.PyArray_ISALIGNED(arr)):
+        if copied is not None:
+            copied.append((role, arr))
         if not cnp.PyArray_ISNOTSWAPPED(arr):
             arr = arr.astype(arr.dtype.newbyteorder("="))
         if not cnp.PyArray_ISALIGNED(arr):
@@ -212,6 +216,26 @@ cdef int _FORWARD_OUT_ROLES[5]
 _FORWARD_OUT_ROLES[:] = [S_DX, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
 
 
+cdef int _OUTPUT_ROLES[8]
+_OUTPUT_ROLES[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN,
+                    S_BATCH_VAR]
+
+
+cdef void _check_copied_inputs(const Rules *r, const Arg *a, list copied) except *:
+    """The given outputs apart from the caller's memory of the inputs the call reads from a
+    copy: check_call saw only the copies."""
+    cdef Arg origin
+    cdef int role, o, i
+    for role, original in copied:
+        _fill(&origin, <cnp.ndarray> original)
+        origin.dtype = a[role].dtype          # the copy's type: the same item size, native
+        for i in range(8):
+            o = _OUTPUT_ROLES[i]
+            if a[o].present and a[o].data != NULL and may_share(&a[o], &origin) != 0:
+                raise ValueError(f"{(<char *> r.labels[o]).decode()} overlaps the input "
+                                 f"{(<char *> r.names[role]).decode()}")
+
+
 cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, epsilon,
                      data_format, out, num_threads, beta, relu_dst, diff_residual, partial,
                      count, momentum, bint tensors=False):
@@ -228,6 +252,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     cdef cnp.npy_intp C
     cdef cnp.ndarray X, M, V = None
     cdef list keep = []
+    cdef list copied = []
     cdef bint reduce_only = (op & OP_RETURN_SUMS) != 0
     tensors = tensors and (out is not None or reduce_only)   # nothing allocated like them
     if op & OP_FORWARD:
@@ -237,21 +262,21 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     for t in range(N_ROLES):
         a[t].present = False
         a[t].data = NULL
-    X = _input(x, &a[S_X], conv, S_X, keep, tensors)
+    X = _input(x, &a[S_X], conv, S_X, keep, tensors, copied)
     c.axis = 0
     if r.family == FAMILY_ARRAYS:
         c.axis = 1 if data_format == "NCX" else a[S_X].ndim - 1
     if not (op & OP_FORWARD) or op & OP_ADD_RESIDUAL:
-        _input(dy, &a[S_DY], conv, S_DY, keep, tensors)
-    M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep, tensors)
+        _input(dy, &a[S_DY], conv, S_DY, keep, tensors, copied)
+    M = _input(mean, &a[S_MEAN], conv, S_MEAN, keep, tensors, copied)
     if var is not None or not reduce_only:
-        V = _input(var, &a[S_VAR], conv, S_VAR, keep, tensors)
+        V = _input(var, &a[S_VAR], conv, S_VAR, keep, tensors, copied)
     if scale is not None or r.scale_required:
-        _input(scale, &a[S_SCALE], conv, S_SCALE, keep, tensors)
+        _input(scale, &a[S_SCALE], conv, S_SCALE, keep, tensors, copied)
     if beta is not None or r.beta_required:
-        _input(beta, &a[S_BETA], conv, S_BETA, keep, tensors)
+        _input(beta, &a[S_BETA], conv, S_BETA, keep, tensors, copied)
     if relu_dst is not None:
-        _input(relu_dst, &a[S_MASK], conv, S_MASK, keep, tensors)
+        _input(relu_dst, &a[S_MASK], conv, S_MASK, keep, tensors, copied)
     c.eps.value = 1.0
     if not reduce_only:
         parse_real(epsilon, &c.eps, "epsilon")
@@ -261,7 +286,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     c.count = -1
     if op & OP_GIVEN_SUMS:
         try:
-            _input(partial, &a[S_PARTIAL], conv, S_PARTIAL, keep, tensors)
+            _input(partial, &a[S_PARTIAL], conv, S_PARTIAL, keep, tensors, copied)
         except TypeError:
             raise TypeError("partial must be a float64 array of shape (2, C) from "
                             "backward_reduce") from None
@@ -300,6 +325,8 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
                         &c.channels, msg, MESSAGE_CAP)
     if rc != BNBW_OK:
         raise_status(rc, msg)
+    if copied:
+        _check_copied_inputs(r, a, copied)
 
     # outputs the caller did not give
     if reduce_only or given is not None:

@@ -200,11 +200,11 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
     """Outputs apart from each other and from every input, except each output's in-place
     input (in_place_input) when it is the very same view."""
     cdef int outputs[8]
-    cdef int inputs[7]
+    cdef int inputs[8]
     cdef int i, j, o, k, rc, same
     outputs[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN,
                   S_BATCH_VAR]
-    inputs[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_MASK]
+    inputs[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_MASK, S_PARTIAL]
     for i in range(8):
         o = outputs[i]
         if not a[o].present or a[o].data == NULL:
@@ -216,7 +216,7 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
                 snprintf(msg, cap, "%s overlaps %s; outputs must not overlap", r.labels[o],
                          r.labels[k])
                 return BNBW_ERROR_OVERLAP
-        for j in range(7):
+        for j in range(8):
             k = inputs[j]
             if not a[k].present or a[k].data == NULL:
                 continue

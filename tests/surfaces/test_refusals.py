@@ -1615,3 +1615,67 @@ def test_forward_descriptor_operator_refusal():
                    output_running_variance=s[4], output_batch_mean=s[5],
                    output_batch_variance=np.empty(3, np.float32))
     assert (y == 7).all()
+
+
+# ---- outputs over an input the call reads through a copy ----------------------------------
+
+_COPIED_NAMES = ("src", "diff_dst", "mean", "variance", "gamma")
+
+
+def _copied_case(rng, name, how, overlapping):
+    """batchnorm_training_backward's arguments with input `name` in a raw buffer that also holds
+    diff_src: byte-swapped or 2 bytes off its item size (read through a copy), over diff_src's
+    last bytes or, when not overlapping, before them."""
+    n, c = 8, 4
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    args = dict(src=x, diff_dst=rng.standard_normal((n, c)).astype(np.float32),
+                mean=x.mean(0), variance=x.var(0) + 0.5,
+                gamma=rng.standard_normal(c).astype(np.float32))
+    value = args[name]
+    raw = np.zeros(4 * n * c * 3 + 128, np.uint8)
+    dx_at = (-raw.ctypes.data) % 64 + 2 * 4 * n * c
+    dx = raw[dx_at:dx_at + 4 * n * c].view(np.float32).reshape(n, c)
+    start = dx_at + 4 * n * c - value.nbytes if overlapping else dx_at - value.nbytes - 8
+    dtype = np.dtype(np.float32)
+    if how == "byte-swapped":
+        dtype = dtype.newbyteorder()
+    else:
+        start -= 2
+    moved = raw[start:start + value.nbytes].view(dtype).reshape(value.shape)
+    moved[...] = value
+    args[name] = moved
+    out = (dx, np.full(c, -1, np.float32), np.full(c, -1, np.float32))
+    return dict(args, epsilon=1e-3, out=out), raw, value
+
+
+@pytest.mark.parametrize("how", ["byte-swapped", "misaligned"])
+@pytest.mark.parametrize("name", _COPIED_NAMES)
+def test_an_output_over_an_input_read_through_a_copy_is_refused(rng, name, how):
+    """An input the kernels cannot read in place is copied first: the outputs must still stay
+    apart from the caller's memory, which the call would otherwise overwrite."""
+    kwargs, raw, _ = _copied_case(rng, name, how, overlapping=True)
+    assert_refused(bnbw_native.batchnorm_training_backward, kwargs, ValueError,
+                   named("diff_src") + ".*overlaps the input " + named(name), arrays=[raw])
+
+
+@pytest.mark.parametrize("how", ["byte-swapped", "misaligned"])
+@pytest.mark.parametrize("name", _COPIED_NAMES)
+def test_an_input_read_through_a_copy_apart_from_the_outputs_is_taken(rng, name, how):
+    kwargs, _, value = _copied_case(rng, name, how, overlapping=False)
+    got = bnbw_native.batchnorm_training_backward(**kwargs)
+    want = bnbw_native.batchnorm_training_backward(**dict(kwargs, **{name: value}, out=None))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_backward_apply_refuses_an_output_over_partial(rng):
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    dy = rng.standard_normal((8, 4)).astype(np.float32)
+    mean, var = x.mean(0), x.var(0) + 0.5
+    partial, count = bnbw_native.backward_reduce(x, dy, mean)
+    dx = np.zeros((8, 4), np.float32)
+    dgamma = partial.view(np.float32)[0, :4]       # over partial's first sums
+    kwargs = dict(x=x, dy=dy, mean=mean, variance=var, gamma=None, partial=partial, count=count,
+                  epsilon=1e-3, out=(dx, dgamma, np.zeros(4, np.float32)))
+    assert_refused(bnbw_native.backward_apply, kwargs, ValueError,
+                   named("diff_gamma") + ".*overlaps the input " + named("partial"))
