@@ -493,8 +493,24 @@ def _grads(ctx, grad_y, backward, stats=()):
             d_res if need_r else None)
 
 
+_DIFFERENTIATING = ("Grad", "Jvp")
+
+
+def _refuse_nested_transforms():
+    """once_differentiable makes a second derivative fail under autograd, but not under nested
+    torch.func transforms: there the gradients would silently count as constants (a grad of
+    a grad gave zeros).  functorch's interpreter stack is not public API: without it, no
+    check."""
+    stack = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)() or ()
+    if sum(str(i.key()).rpartition(".")[2] in _DIFFERENTIATING for i in stack) > 1:
+        raise RuntimeError("bnbw_native's batch norm has no second derivative: its backward "
+                           "ran inside nested torch.func transforms (grad of grad, or grad "
+                           "with jvp), which would take its gradients for constants")
+
+
 @once_differentiable
 def _backward(ctx, grad_y, _mean, _var, _count, _new_mean, _new_var):
+    _refuse_nested_transforms()
     dx, dgamma, dbeta, d_res = _grads(ctx, grad_y,
                                       torch.ops.bnbw_native.batch_norm_train_backward)
     return ((dx, dgamma, dbeta) + (None,) * (_RESIDUAL_INPUT - 3)
@@ -597,8 +613,7 @@ def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, 
         y, _, _, _, new_mean, new_var = torch.ops.bnbw_native.batch_norm_train(*args)
     else:
         y, _, _, _, new_mean, new_var = BatchNormTrain.apply(*args)
-    if running_mean is not None:
-        with torch.no_grad():
-            running_mean.copy_(new_mean)
-            running_var.copy_(new_var)
+    if running_mean is not None:   # (not under no_grad: an exported program that holds one
+        running_mean.copy_(new_mean)    # fails to load; new_* are non-differentiable anyway)
+        running_var.copy_(new_var)
     return y if residual is None or inside is not None else torch.relu(y + residual)

@@ -205,9 +205,8 @@ class BatchNorm(torch.nn.Module):
             running_mean, running_var = running_mean.float(), running_var.float()
             y = _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
                                  self.eps, relu, group, self.num_threads, residual)
-            with torch.no_grad():
-                kept[0].copy_(running_mean)
-                kept[1].copy_(running_var)
+            kept[0].copy_(running_mean)        # (the statistics take no gradient)
+            kept[1].copy_(running_var)
             return y
         return _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
                                 self.eps, relu, group, self.num_threads, residual)

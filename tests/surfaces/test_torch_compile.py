@@ -240,6 +240,42 @@ def test_double_backward_is_refused():
         dx.sum().backward()
 
 
+@pytest.mark.parametrize("outer", ["x", "w"])
+def test_a_second_derivative_through_torch_func_is_refused(outer):
+    """grad of grad (over x again, or over a weight of the inner loss): once_differentiable does
+    not stop torch.func, whose outer grad would take the gradients for constants (zeros)."""
+    from torch.func import grad, vmap
+    layer = bag.BatchNorm(8, track_running_stats=False)
+    x, w = torch.randn(4, 8, 5, 5), torch.randn(4, 8, 5, 5)
+
+    def inner(x, w):
+        return grad(lambda x: (layer(x) ** 3 * w).sum())(x)
+
+    twice = (grad(lambda x: (inner(x, w) * w).sum()) if outer == "x" else
+             grad(lambda w: inner(x, w).sum(), argnums=0))
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        twice(x if outer == "x" else w)
+    # one derivative, also under vmap, still runs: torch's float64 layer agrees
+    ref = torch.nn.BatchNorm2d(8, track_running_stats=False).double()
+    want = grad(lambda x: (ref(x) ** 3 * w.double()).sum())(x.double())
+    assert ((inner(x, w).double() - want).norm() / want.norm()) <= 1e-5
+    assert vmap(lambda x: inner(x, w))(x.expand(2, *x.shape)).shape == (2, *x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16-stats"])
+def test_an_exported_layer_saves_loads_and_runs(dtype):
+    import io
+    layer = bag.BatchNormReLU(8).to(dtype)
+    x = torch.randn(4, 8, 6, 6, dtype=dtype)
+    program = torch.export.export(copy.deepcopy(layer), (x,))
+    saved = io.BytesIO()
+    torch.export.save(program, saved)
+    saved.seek(0)
+    loaded = torch.export.load(saved).module()
+    assert torch.equal(loaded(x), layer(x))
+    assert torch.equal(loaded.running_var, layer.running_var)
+
+
 def test_operators_live_in_the_package_namespace():
     assert torch.ops.bnbw_native.batch_norm_train.default.name() == \
         "bnbw_native::batch_norm_train"
