@@ -26,9 +26,9 @@ from bnbw_native._vocabulary cimport (
 from bnbw_native._headers cimport bnbw_status, BNBW_OK
 from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Momentum, Convention,
                                  FAMILY_ARRAYS, FAMILY_DIRECTML, MESSAGE_CAP, check_call,
-                                 layout_of, copy_name, parse_real, raise_status)
+                                 layout_of, copy_name, parse_real, raise_status,
+                                 check_apart_from_caller)
 from bnbw_native._engine cimport engine_run, engine_describe
-from bnbw_native._overlap cimport may_share
 
 from bnbw_native._dlpack import as_array, output_array
 from bnbw_native._rules import check_count, requested_threads
@@ -216,24 +216,19 @@ cdef int _FORWARD_OUT_ROLES[5]
 _FORWARD_OUT_ROLES[:] = [S_DX, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
 
 
-cdef int _OUTPUT_ROLES[8]
-_OUTPUT_ROLES[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN,
-                    S_BATCH_VAR]
-
-
 cdef void _check_copied_inputs(const Rules *r, const Arg *a, list copied) except *:
     """The given outputs apart from the caller's memory of the inputs the call reads from a
-    copy: check_call saw only the copies."""
-    cdef Arg origin
-    cdef int role, o, i
+    copy."""
+    cdef Arg caller
+    cdef int role
+    cdef bnbw_status rc
+    cdef char msg[MESSAGE_CAP]
     for role, original in copied:
-        _fill(&origin, <cnp.ndarray> original)
-        origin.dtype = a[role].dtype          # the copy's type: the same item size, native
-        for i in range(8):
-            o = _OUTPUT_ROLES[i]
-            if a[o].present and a[o].data != NULL and may_share(&a[o], &origin) != 0:
-                raise ValueError(f"{(<char *> r.labels[o]).decode()} overlaps the input "
-                                 f"{(<char *> r.names[role]).decode()}")
+        _fill(&caller, <cnp.ndarray> original)
+        caller.dtype = a[role].dtype          # the copy's type: the same item size, native
+        rc = check_apart_from_caller(r, a, role, &caller, msg, MESSAGE_CAP)
+        if rc != BNBW_OK:
+            raise_status(rc, msg)
 
 
 cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, epsilon,

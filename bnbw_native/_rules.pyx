@@ -195,15 +195,17 @@ cdef int in_place_input(int op, int output) noexcept nogil:
     return S_DY if output == S_DX or output == S_DRES else -1
 
 
+cdef int _OUTPUTS[8]
+_OUTPUTS[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
+
+
 cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg,
                                  size_t cap) noexcept nogil:
     """Outputs apart from each other and from every input, except each output's in-place
     input (in_place_input) when it is the very same view."""
-    cdef int outputs[8]
+    cdef const int *outputs = &_OUTPUTS[0]
     cdef int inputs[8]
     cdef int i, j, o, k, rc, same
-    outputs[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN,
-                  S_BATCH_VAR]
     inputs[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_MASK, S_PARTIAL]
     for i in range(8):
         o = outputs[i]
@@ -230,6 +232,19 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
                 else:
                     snprintf(msg, cap, "%s overlaps the input %s", r.labels[o], r.names[k])
                 return BNBW_ERROR_OVERLAP
+    return BNBW_OK
+
+
+cdef bnbw_status check_apart_from_caller(const Rules *r, const Arg *a, int role,
+                                         const Arg *caller, char *msg, size_t cap) noexcept nogil:
+    """The given outputs apart from `caller`, the caller's memory of input `role` where the
+    call reads a copy of it (check_call saw only the copy)."""
+    cdef int i
+    for i in range(8):
+        if (a[_OUTPUTS[i]].present and a[_OUTPUTS[i]].data != NULL
+                and may_share(&a[_OUTPUTS[i]], caller) != 0):
+            snprintf(msg, cap, "%s overlaps the input %s", r.labels[_OUTPUTS[i]], r.names[role])
+            return BNBW_ERROR_OVERLAP
     return BNBW_OK
 
 
