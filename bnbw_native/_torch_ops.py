@@ -493,16 +493,16 @@ def _grads(ctx, grad_y, backward, stats=()):
             d_res if need_r else None)
 
 
-_DIFFERENTIATING = ("Grad", "Jvp")
-
-
 def _refuse_nested_transforms():
     """once_differentiable makes a second derivative fail under autograd, but not under nested
     torch.func transforms: there the gradients would silently count as constants (a grad of
     a grad gave zeros).  functorch's interpreter stack is not public API: without it, no
     check."""
-    stack = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)() or ()
-    if sum(str(i.key()).rpartition(".")[2] in _DIFFERENTIATING for i in stack) > 1:
+    functorch = torch._C._functorch
+    if not hasattr(functorch, "get_interpreter_stack"):
+        return
+    differentiating = (functorch.TransformType.Grad, functorch.TransformType.Jvp)
+    if sum(i.key() in differentiating for i in functorch.get_interpreter_stack() or ()) > 1:
         raise RuntimeError("bnbw_native's batch norm has no second derivative: its backward "
                            "ran inside nested torch.func transforms (grad of grad, or grad "
                            "with jvp), which would take its gradients for constants")

@@ -325,7 +325,7 @@ def _hooked(module: torch.nn.Module) -> bool:
         "_load_state_dict_post_hooks"))
 
 
-def _fusable_relu(module: torch.nn.Module) -> bool:
+def _fusable_relu(module: Optional[torch.nn.Module]) -> bool:
     """A plain torch.nn.ReLU (inplace or not) that nothing else observes."""
     return type(module) is torch.nn.ReLU and not _hooked(module)
 
@@ -365,8 +365,7 @@ def _convert_tree(module: torch.nn.Module, sync: bool, process_group: Any,
         if is_bn and not _convertible(child, path):
             continue
         relu = (fuse and is_bn and not getattr(child, "_relu", False)
-                and i + 1 < len(children) and children[i + 1][1] is not None
-                and _fusable_relu(children[i + 1][1]))
+                and i + 1 < len(children) and _fusable_relu(children[i + 1][1]))
         if isinstance(child, _BatchNorm) or (isinstance(child, BatchNorm) and relu):
             module.add_module(name, _replacement(child, relu, sync, process_group,
                                                  num_threads))
