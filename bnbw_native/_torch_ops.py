@@ -1,7 +1,7 @@
 """The PyTorch custom operators behind bnbw_native.autograd.
 
     torch.ops.bnbw_native.batch_norm_train(x, weight, bias, running_mean, running_var,
-        factor, eps, relu, group, num_threads, residual=None)
+        factor, eps, relu, group, num_threads, residual=None, batches_tracked=None)
         -> (y, mean, variance, count, new_running_mean, new_running_var)
     torch.ops.bnbw_native.batch_norm_train_backward(grad_y, x, weight, mean, variance,
         relu_out, eps, group, num_threads, input_grad, residual_grad=False)
@@ -19,7 +19,9 @@ The new running statistics are PyTorch's update of running_mean and running_var 
 tracked, and the new ones are empty): (1 - factor) * old + factor * batch, the variance
 unbiased (M / (M - 1)), from the exact batch statistics in float64, rounded once: without a
 group in the forward's native call, with one from the all-reduced sums by the same rule
-(_engine.torch_running_statistics).  The operator is
+(_engine.torch_running_statistics).  With batches_tracked (torch's momentum None, a
+cumulative average) the factor is 1 / batches_tracked, read when the operator runs: a compiled
+graph would otherwise hold the count as a constant and recompile at every step.  The operator is
 functional (autograd formulas need that) and the layer stores them; EagerLayerStep has the
 kernel write them in place, the same bits.
 
@@ -249,7 +251,7 @@ def _forward_added(x, weight, bias, running, factor, eps, relu, group, num_threa
 def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                  running_mean: Optional[Tensor], running_var: Optional[Tensor], factor: float,
                  eps: float, relu: bool, group: str, num_threads: Optional[int],
-                 residual: Optional[Tensor] = None
+                 residual: Optional[Tensor] = None, batches_tracked: Optional[Tensor] = None
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Training-mode batch norm of (N, C, *) by the engine's forward: y (ReLU applied when
     relu, after adding the residual when one is given), the batch mean and biased variance
@@ -257,6 +259,8 @@ def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     running statistics (empty when not tracked)."""
     _check_params(x, weight, bias)
     _check_residual(x, relu, group, residual)
+    if batches_tracked is not None:
+        factor = 1.0 / float(batches_tracked)
     running = _running(running_mean, running_var)
     updated = None if running is None else (torch.empty_like(running[0]),
                                             torch.empty_like(running[1]))
@@ -280,7 +284,7 @@ batch_norm_train = torch.library.custom_op("bnbw_native::batch_norm_train", forw
 
 @batch_norm_train.register_fake
 def _(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
-      residual=None):
+      residual=None, batches_tracked=None):
     _check_params(x, weight, bias)
     _check_residual(x, relu, group, residual)
     mean = x.new_empty(x.shape[1], dtype=torch.float32)
@@ -513,8 +517,10 @@ def _backward(ctx, grad_y, _mean, _var, _count, _new_mean, _new_var):
     _refuse_nested_transforms()
     dx, dgamma, dbeta, d_res = _grads(ctx, grad_y,
                                       torch.ops.bnbw_native.batch_norm_train_backward)
-    return ((dx, dgamma, dbeta) + (None,) * (_RESIDUAL_INPUT - 3)
-            + ((d_res,) if len(ctx.needs_input_grad) > _RESIDUAL_INPUT else ()))
+    grads = [dx, dgamma, dbeta] + [None] * (len(ctx.needs_input_grad) - 3)
+    if ctx.residual_at is not None:
+        grads[ctx.residual_at] = d_res
+    return tuple(grads)
 
 
 batch_norm_train.register_autograd(_backward, setup_context=_setup_context)
@@ -596,20 +602,30 @@ def _eager_apply():
 _eager_layer_step = _eager_apply()
 
 
-def train(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_threads,
-          residual=None):
+def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked, eps, relu,
+          group, num_threads, residual=None):
     """y of batch_norm_train with its autograd formula, the running statistics updated in
-    place: EagerLayerStep in plain eager mode; else the operator (the graph holds it when
+    place with torch's momentum (None: the cumulative average, 1 / batches_tracked):
+    EagerLayerStep in plain eager mode; else the operator (the graph holds it when
     compiling), through BatchNormTrain under torch.func transforms, its new running
     statistics then stored.  A residual (with relu): y = max(bn(x) + residual, 0), inside
     the operator (as torch ops around it over a process group)."""
-    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+    compiling = torch.compiler.is_compiling()
+    counted = None                  # (the count, when the operator reads it when it runs)
+    if momentum is not None or running_mean is None:
+        factor = 0.0 if momentum is None else float(momentum)
+    elif compiling:
+        factor, counted = 0.0, batches_tracked
+    else:
+        factor = 1.0 / float(batches_tracked)
+    if not (compiling or torch._C._are_functorch_transforms_active()):
         return _eager_layer_step(x, weight, bias, residual, _running(running_mean, running_var),
                                  (factor, eps, relu, group, num_threads))
     inside = residual if relu and not group else None
     args = (x, weight, bias, running_mean, running_var, factor, eps,
-            relu and (residual is None or inside is not None), group, num_threads, inside)
-    if torch.compiler.is_compiling():
+            relu and (residual is None or inside is not None), group, num_threads, inside,
+            counted)
+    if compiling:
         y, _, _, _, new_mean, new_var = torch.ops.bnbw_native.batch_norm_train(*args)
     else:
         y, _, _, _, new_mean, new_var = BatchNormTrain.apply(*args)

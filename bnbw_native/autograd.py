@@ -107,7 +107,7 @@ def batch_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
         y = torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
         return torch.relu(y) if relu else y
     _check_more_than_one(x)
-    return _torch_ops.train(x, weight, bias, None, None, 0.0, float(eps), bool(relu), "",
+    return _torch_ops.train(x, weight, bias, None, None, None, None, float(eps), bool(relu), "",
                             num_threads)
 
 
@@ -185,7 +185,7 @@ class BatchNorm(torch.nn.Module):
 
     def _train(self, x: torch.Tensor, group: str, relu: bool,
                residual: Optional[torch.Tensor]) -> torch.Tensor:
-        running_mean, running_var, factor = None, None, 0.0
+        running_mean, running_var = None, None
         if self.track_running_stats:
             if (torch._C._are_functorch_transforms_active()    # (vmap's tensors exist only then)
                     and any(_batched(t) for t in (x, self.weight, self.bias) if t is not None)):
@@ -196,20 +196,20 @@ class BatchNorm(torch.nn.Module):
             if self.momentum is not None and not 0.0 <= self.momentum <= 1.0:
                 raise ValueError(f"momentum must be None or in [0, 1], got {self.momentum}")
             self.num_batches_tracked.add_(1)
-            factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                      else float(self.momentum))
             running_mean, running_var = self.running_mean, self.running_var
         if running_mean is not None and running_mean.dtype != torch.float32:
             # the kernels keep float32 statistics: update float32 copies, then store them back
             kept = (running_mean, running_var)
             running_mean, running_var = running_mean.float(), running_var.float()
-            y = _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
-                                 self.eps, relu, group, self.num_threads, residual)
+            y = _torch_ops.train(x, self.weight, self.bias, running_mean, running_var,
+                                 self.momentum, self.num_batches_tracked, self.eps, relu, group,
+                                 self.num_threads, residual)
             kept[0].copy_(running_mean)        # (the statistics take no gradient)
             kept[1].copy_(running_var)
             return y
-        return _torch_ops.train(x, self.weight, self.bias, running_mean, running_var, factor,
-                                self.eps, relu, group, self.num_threads, residual)
+        return _torch_ops.train(x, self.weight, self.bias, running_mean, running_var,
+                                self.momentum, self.num_batches_tracked, self.eps, relu, group,
+                                self.num_threads, residual)
 
     def _torch_forward(self, x: torch.Tensor, relu: bool) -> torch.Tensor:
         """torch.nn.BatchNorm2d's forward (then ReLU when relu)."""

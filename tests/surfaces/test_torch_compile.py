@@ -79,6 +79,23 @@ def test_aot_eager_runs_the_operators_and_equals_eager(fuse_relu):
     assert graphs["backward"].count("bnbw_native.batch_norm_train_backward.default") == 2
 
 
+def test_a_cumulative_average_compiles_once_and_equals_eager():
+    # momentum None: the factor 1 / num_batches_tracked changes every step; read as a float
+    # it became a constant of the graph and every step recompiled (then fell back to eager)
+    torch._dynamo.reset()
+    eager = bag.convert_batchnorm(small_net(), fuse_relu=True)
+    for layer in (eager[1], eager[3]):
+        layer.momentum = None
+    compiled = copy.deepcopy(eager)
+    fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(7)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            x = torch.randn(6, 3, 8, 8, generator=g)
+            compare(step(fn, x), step(eager, x), tol=0)
+    assert int(compiled[1].num_batches_tracked) == 4
+
+
 class Block(torch.nn.Module):
     """A residual block as torchvision writes it: ReLU called in forward, `out += x`."""
 
@@ -195,6 +212,8 @@ def test_opcheck(channels_last, relu):
     torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train.default, args)
     torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train.default,
                           args[:3] + (None, None) + args[5:])
+    torch.library.opcheck(torch.ops.bnbw_native.batch_norm_train.default,   # momentum None
+                          args + (None, torch.tensor(3)))
     y, mean, var, *_ = torch.ops.bnbw_native.batch_norm_train(*(a.detach() if torch.is_tensor(a)
                                                                 else a for a in args))
     for input_grad in (True, False):
