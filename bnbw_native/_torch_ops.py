@@ -206,7 +206,7 @@ def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, up
 
 def _sync_forward(x, weight, bias, running, factor, eps, relu, group, nt, updated):
     """_forward over a process group: the sums all-reduced between the two phases; the running
-    statistics from the global sums by the engine's rule (the same bits as one process)."""
+    statistics from the global sums by the rule one process follows."""
     perm, data_format = channel_order(x)
     channels = x.shape[1]
     y = torch.empty_like(x)
