@@ -550,6 +550,18 @@ cdef object _real_a = None, _real_b = None
 cdef str _text_a = "", _text_b = ""
 
 
+def _short_text(value):
+    """A real as Python prints it, in at most 47 characters: an integer of more digits in
+    scientific form (10**400 -> 1.000000e+400), anything else cut with an ellipsis."""
+    text = repr(value)
+    if len(text) <= 47:
+        return text
+    if isinstance(value, numbers.Integral):
+        digits = str(abs(int(value)))
+        return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:7]}e+{len(digits) - 1}"
+    return text[:44] + "..."
+
+
 cdef int parse_real(object value, Real *e, str name) except -1:
     """A real argument (epsilon, momentum) as a Python caller gave it: a real number
     (TypeError naming it otherwise), kept as a double with its text for messages; the value
@@ -565,7 +577,7 @@ cdef int parse_real(object value, Real *e, str name) except -1:
     except (OverflowError, ValueError):    # beyond the float range
         e.value = INFINITY
     if type(value) is not float:
-        copy_name(e.text, repr(value), 48)
+        copy_name(e.text, _short_text(value), 48)
     elif value is _real_a:  # a layer passes the same float objects every call: repr them once
         copy_name(e.text, _text_a, 48)
     elif value is _real_b:

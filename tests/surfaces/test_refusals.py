@@ -1679,3 +1679,22 @@ def test_backward_apply_refuses_an_output_over_partial(rng):
                   epsilon=1e-3, out=(dx, dgamma, np.zeros(4, np.float32)))
     assert_refused(bnbw_native.backward_apply, kwargs, ValueError,
                    named("diff_gamma") + ".*overlaps the input " + named("partial"))
+
+
+@pytest.mark.parametrize("value, shown", [(10 ** 400, "1.000000e+400"),
+                                          (-10 ** 60, "-1.000000e+60"),
+                                          (10 ** 40, "10000000000000000000000000000000000000000")],
+                         ids=["huge", "huge-negative", "fits"])
+def test_a_refused_real_is_shown_as_given_or_in_scientific_form(value, shown):
+    """A refused epsilon's message shows the value: an integer too long for the message in
+    scientific form, never its leading digits alone (10**400 read as 1000...0, 47 digits)."""
+    x = np.ones((4, 3), F32)
+    stats = np.ones(3, F32)
+    with pytest.raises(ValueError, match="epsilon") as refused:
+        bnbw_native.batchnorm_training_backward(x, x, stats, stats, epsilon=value)
+    assert str(refused.value).endswith("got " + shown)
+    m = {k: desc((4, 3) if k in ("input", "input_gradient", "output_gradient") else (1, 3))
+         for k in MEMBERS}
+    with pytest.raises(ValueError, match="epsilon") as refused:
+        dml.BatchNormalizationGrad(**m, epsilon=value)
+    assert str(refused.value).endswith("got " + shown)
