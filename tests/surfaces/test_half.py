@@ -543,6 +543,22 @@ def test_out_shares_memory_with_result():
     assert np.shares_memory(half.float32_to_float16(x, out=out), out)
 
 
+@needs_ml_dtypes
+def test_torch_tensors_are_read_in_every_storage_type():
+    """A torch tensor, bfloat16 too (which NumPy cannot take), is read through DLPack as the
+    engine's calls read it: the conversions of its values, bit for bit."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(7, 9, generator=torch.Generator().manual_seed(SEED))[:, ::2]
+    np.testing.assert_array_equal(bits(half.float32_to_bfloat16(x)), bits(ref_bf16(x.numpy())))
+    np.testing.assert_array_equal(bits(half.float32_to_float16(x)),
+                                  bits(x.numpy().astype(np.float16)))
+    for t in (x.to(torch.bfloat16), x.to(torch.float16)):
+        np.testing.assert_array_equal(half.bfloat16_to_float32(t) if t.dtype == torch.bfloat16
+                                      else half.float16_to_float32(t), t.float().numpy())
+    with pytest.raises(TypeError, match="'a' must hold float32"):
+        half.float32_to_float16(x.double())
+
+
 def test_0d_out():
     out = np.zeros((), np.float32)
     assert half.float16_to_float32(np.float16(2.5), out=out) is out
