@@ -35,6 +35,7 @@ def backward(
     count: Any = None,
     exact_sums: bool = False,
     tensors: bool = False,
+    mean_low: Any = None,
 ) -> Any: ...
 def describe(
     conv: Convention,
@@ -76,4 +77,5 @@ def forward(
     torch_running: bool = False,
     tensors: bool = False,
     residual: Any = None,
+    mean_low: Any = None,
 ) -> Any: ...

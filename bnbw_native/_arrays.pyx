@@ -19,7 +19,7 @@ from libc.string cimport memcpy, strncpy
 
 from bnbw_native._vocabulary cimport (
     Layout, N_SLOTS, N_ROLES, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
-    S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, S_RUN_MEAN,
+    S_DBIAS, S_BETA, S_MEAN_LOW, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, S_RUN_MEAN,
     S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, OP_GIVEN_SUMS, OP_RETURN_SUMS, OP_PARAMS, OP_EXACT_SUMS,
     OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_ADD_RESIDUAL, OP_DX, DO_TRAINING, DO_FROZEN_DX, DO_FROZEN, DO_REDUCE,
     DO_APPLY, DO_FORWARD, DO_FORWARD_REDUCE, DO_FORWARD_APPLY, DO_PARAMS, DO_PARAMS_FROM_SUMS)
@@ -216,7 +216,7 @@ cdef int _FORWARD_OUT_ROLES[5]
 _FORWARD_OUT_ROLES[:] = [S_DX, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
 
 
-cdef void _check_copied_inputs(const Rules *r, const Arg *a, list copied) except *:
+cdef void _check_copied_inputs(const Rules *r, const Arg *a, int op, list copied) except *:
     """The given outputs apart from the caller's memory of the inputs the call reads from a
     copy."""
     cdef Arg caller
@@ -226,14 +226,14 @@ cdef void _check_copied_inputs(const Rules *r, const Arg *a, list copied) except
     for role, original in copied:
         _fill(&caller, <cnp.ndarray> original)
         caller.dtype = a[role].dtype          # the copy's type: the same item size, native
-        rc = check_apart_from_caller(r, a, role, &caller, msg, MESSAGE_CAP)
+        rc = check_apart_from_caller(r, a, op, role, &caller, msg, MESSAGE_CAP)
         if rc != BNBW_OK:
             raise_status(rc, msg)
 
 
 cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, epsilon,
                      data_format, out, num_threads, beta, relu_dst, diff_residual, partial,
-                     count, momentum, bint tensors=False):
+                     count, momentum, bint tensors=False, mean_low=None):
     """Marshal, check and allocate: everything of a call but running it.  Returns (results,
     keep): the output arrays, and the arrays the call must keep alive.  tensors: torch tensors
     are read and written in place (the layers' calls, which give every output)."""
@@ -272,6 +272,8 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
         _input(beta, &a[S_BETA], conv, S_BETA, keep, tensors, copied)
     if relu_dst is not None:
         _input(relu_dst, &a[S_MASK], conv, S_MASK, keep, tensors, copied)
+    if mean_low is not None and not (op & OP_FORWARD):
+        _input(mean_low, &a[S_MEAN_LOW], conv, S_MEAN_LOW, keep, tensors, copied)
     c.eps.value = 1.0
     if not reduce_only:
         parse_real(epsilon, &c.eps, "epsilon")
@@ -313,6 +315,8 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
             given.append(o)
     if diff_residual is not None:
         keep.append(_output(diff_residual, &a[S_DRES], r.labels[S_DRES], tensors))
+    if mean_low is not None and op & OP_FORWARD:
+        keep.append(_output(mean_low, &a[S_MEAN_LOW], r.labels[S_MEAN_LOW], tensors))
 
     with nogil:
         rc = check_call(r, a, op, c.axis, NULL if reduce_only else &c.eps,
@@ -321,7 +325,7 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
     if rc != BNBW_OK:
         raise_status(rc, msg)
     if copied:
-        _check_copied_inputs(r, a, copied)
+        _check_copied_inputs(r, a, op, copied)
 
     # outputs the caller did not give
     if reduce_only or given is not None:
@@ -409,16 +413,18 @@ cdef int64_t _local_count(const Layout *l):
 def backward(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None,
              data_format="NXC", out=None, num_threads=None, *, beta=None, relu_dst=None,
              diff_residual=None, partial=None, count=None, bint exact_sums=False,
-             bint tensors=False):
+             bint tensors=False, mean_low=None):
     """Check and run one array call of `conv`.  Returns (dx, dscale, dbias) - dscale and dbias
     None for FROZEN_DX - or, for REDUCE, ((2, C) float64 sums, count).  tensors: torch tensors
-    read and written in place when every output is given (the torch layers)."""
+    read and written in place when every output is given (the torch layers).  mean_low (the
+    statistics' type, C values): the mean is mean + mean_low, as a forward's mean_low gives
+    it (REDUCE's sums stay around mean; the apply that takes them corrects them)."""
     cdef Arg a[N_ROLES]
     cdef Call c
     c.op = formula | (OP_EXACT_SUMS if exact_sums else 0)
     results, keep = _prepare(conv, &c, a, x, dy, mean, var, scale, epsilon, data_format, out,
                              num_threads, beta, relu_dst, diff_residual, partial, count, None,
-                             tensors)
+                             tensors, mean_low)
     try:
         return _run(conv, &c, a, results)
     finally:
@@ -444,14 +450,15 @@ def describe(Convention conv, int formula, x, dy, mean, var, scale, epsilon=None
 def forward(Convention conv, src, mean, variance, gamma, beta, epsilon, momentum,
             data_format="NXC", bint relu=False, out=None, num_threads=None, *,
             int formula=DO_FORWARD, partial=None, count=None, bint torch_running=False,
-            bint tensors=False, residual=None):
+            bint tensors=False, residual=None, mean_low=None):
     """Check and run one training forward of `conv`.  Returns (y, running_mean,
     running_variance, batch_mean, batch_variance); FORWARD_REDUCE: the sums around `mean` (a
     shift) and the local count; FORWARD_APPLY: the outputs from the given sums and count.
     torch_running: the running statistics as PyTorch keeps them (momentum weighs the batch,
     the variance unbiased); tensors: as for `backward`.  residual (FORWARD with relu; src's
     shape, type and strides): y = max(bn(src) rounded to its type + residual, 0), in the pass
-    that writes y."""
+    that writes y.  mean_low: an output (the statistics' type, C values) that receives the
+    exact batch mean minus batch_mean, for a backward's mean_low."""
     cdef Arg a[N_ROLES]
     cdef Call c
     c.op = formula | (OP_RELU if relu else 0) | (OP_TORCH_RUNNING if torch_running else 0)
@@ -462,7 +469,7 @@ def forward(Convention conv, src, mean, variance, gamma, beta, epsilon, momentum
         c.op |= OP_ADD_RESIDUAL
     results, keep = _prepare(conv, &c, a, src, residual, mean, variance, gamma, epsilon,
                              data_format, out, num_threads, beta, None, None, partial, count,
-                             momentum, tensors)
+                             momentum, tensors, mean_low)
     try:
         return _run(conv, &c, a, results)
     finally:

@@ -26,7 +26,7 @@ from cython.parallel cimport prange
 
 from bnbw_native._vocabulary cimport (
     Plan, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE,
-    S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_BATCH_MEAN, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING,
+    S_DSCALE, S_DBIAS, S_BETA, S_RUN_MEAN, S_BATCH_MEAN, S_MEAN_LOW, OP_REDUCE, OP_GIVEN_SUMS, OP_TRAINING,
     OP_DX, OP_PARAMS, OP_RETURN_SUMS, OP_FORWARD, OP_RELU, OP_TORCH_RUNNING, OP_ADD_RESIDUAL,
     SERIAL_BELOW,
     itemsize, imin, chan_origin, f32_channels, row_origin, load_stat, store_stat,
@@ -279,16 +279,18 @@ cdef void _scatter(const Work *w, int slot, const double *values) noexcept nogil
 cdef void _backward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
     cdef float var[STAT_RUN]
     cdef float scale[STAT_RUN]
+    cdef float mean_low[STAT_RUN]
     cdef int64_t r, c0, c, n
     for r in range((hi - lo + STAT_RUN - 1) // STAT_RUN):
         c0 = lo + r * STAT_RUN
         n = imin(STAT_RUN, hi - c0)
         _gather(w, S_VAR, c0, n, 1.0, var)
         _gather(w, S_SCALE, c0, n, 1.0, scale)
+        _gather(w, S_MEAN_LOW, c0, n, 0.0, mean_low)
         for c in range(c0, c0 + n):
             coefficients(w.op, w.sums[2 * c], w.sums[2 * c + 1], w.count, var[c - c0],
-                         scale[c - c0], w.eps, &w.k1[c], &w.k2[c], &w.k3[c], &w.dscale[c],
-                         &w.dbias[c])
+                         scale[c - c0], w.eps, mean_low[c - c0], &w.k1[c], &w.k2[c], &w.k3[c],
+                         &w.dscale[c], &w.dbias[c])
 
 
 cdef void _forward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
@@ -870,3 +872,21 @@ cdef void _store_forward_statistics(const Work *w, double momentum) noexcept nog
                 else:
                     store_stat(w.ptr[run], p.stat_dtype, chan_origin(p, run, c0 + c),
                                running[c])
+    if w.ptr[S_MEAN_LOW] != NULL:
+        _store_mean_low(w)
+
+
+cdef void _store_mean_low(const Work *w) noexcept nogil:
+    """The batch mean's low part: what rounding it to the statistics' type left out, for a
+    backward that centres on the exact mean (0 for an empty batch or a mean that is not
+    finite)."""
+    cdef const Plan *p = w.p
+    cdef int64_t c
+    cdef char rounded[8]
+    cdef double m, low
+    for c in range(p.channels):
+        m = w.batch_mean[c] if w.count > 0 else 0.0
+        store_stat(rounded, p.stat_dtype, 0, m)
+        low = m - <double> load_stat(rounded, p.stat_dtype, 0)
+        store_stat(w.ptr[S_MEAN_LOW], p.stat_dtype, chan_origin(p, S_MEAN_LOW, c),
+                   low if low - low == 0 else 0.0)

@@ -7,15 +7,21 @@ from bnbw_native._vocabulary cimport OP_TRAINING
 
 
 cdef inline void coefficients(int op, double sum_g, double sum_xg, double count, float var,
-                              float scale, double eps, float *k1, float *k2, float *k3,
-                              double *dscale, double *dbias) noexcept nogil:
+                              float scale, double eps, float mean_low, float *k1, float *k2,
+                              float *k3, double *dscale, double *dbias) noexcept nogil:
     """The only place where the formulas meet the sums.  With r = 1/sqrt(var + eps):
         dbias = Sum dy,  dscale = r * Sum (x - mean) dy
         dx = k1*dy + k2*(x - mean) + k3,  k1 = scale*r,
         training: k2 = -scale*r*r*dscale/M,  k3 = -scale*r*dbias/M;  frozen: k2 = k3 = 0.
+    The kernels centre on the float mean m; a mean given as m + mean_low (the torch layers'
+    exact batch mean) moves the rest into the sums and k3: Sum (x - m - mean_low) dy =
+    sum_xg - mean_low * sum_g, and k2*(x - m - mean_low) + k3 = k2*(x - m) + (k3 - k2*mean_low).
     An empty batch (M = 0) has zero parameter gradients, whatever the statistics hold."""
     cdef double r = 1.0 / sqrt(<double> var + eps)
     cdef double sr = <double> scale * r
+    cdef double low = mean_low
+    if low != 0:                # (never 0 * inf: a mean without a low part changes nothing)
+        sum_xg = sum_xg - low * sum_g
     if count > 0:
         dbias[0] = sum_g
         dscale[0] = r * sum_xg
@@ -26,6 +32,8 @@ cdef inline void coefficients(int op, double sum_g, double sum_xg, double count,
     if op & OP_TRAINING and count > 0:
         k2[0] = <float> (-sr * r * dscale[0] / count)
         k3[0] = <float> (-sr * sum_g / count)
+        if low != 0:
+            k3[0] = <float> (-sr * sum_g / count - <double> k2[0] * low)
     else:
         k2[0] = 0.0
         k3[0] = 0.0

@@ -64,7 +64,7 @@ cdef bnbw_status check_epsilon_value(const Rules *r, const Epsilon *eps, char *m
                                      size_t cap) noexcept nogil
 cdef const char *type_text(int dtype) noexcept nogil
 cdef int in_place_input(int op, int output) noexcept nogil
-cdef bnbw_status check_apart_from_caller(const Rules *r, const Arg *a, int role,
+cdef bnbw_status check_apart_from_caller(const Rules *r, const Arg *a, int op, int role,
                                          const Arg *caller, char *msg, size_t cap) noexcept nogil
 cdef bnbw_status check_threads(int64_t n, bint zero_is_default, const char *name,
                                const char *text, char *msg, size_t cap) noexcept nogil

@@ -34,7 +34,7 @@ cimport numpy as cnp
 from bnbw_native._overlap cimport may_share, self_overlap, same_view
 from bnbw_native._vocabulary cimport (
     Layout, N_BIG, N_SLOTS, S_X, S_DY, S_DX, S_MASK, S_DRES, S_MEAN, S_VAR, S_SCALE, S_DSCALE,
-    S_DBIAS, S_BETA, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, OP_GIVEN_SUMS,
+    S_DBIAS, S_BETA, S_MEAN_LOW, S_PARTIAL, DT_OTHER, DT_F32, DT_F16, DT_BF16, DT_BOOL, DT_F64, OP_GIVEN_SUMS,
     OP_FORWARD, OP_ADD_RESIDUAL, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR)
 from bnbw_native._headers cimport (
     bnbw_status, BNBW_OK, BNBW_ERROR_NULL_POINTER, BNBW_ERROR_DATA_TYPE,
@@ -195,8 +195,16 @@ cdef int in_place_input(int op, int output) noexcept nogil:
     return S_DY if output == S_DX or output == S_DRES else -1
 
 
-cdef int _OUTPUTS[8]
-_OUTPUTS[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
+cdef int _OUTPUTS[9]
+_OUTPUTS[:] = [S_DX, S_DSCALE, S_DBIAS, S_DRES, S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR,
+               S_MEAN_LOW]
+cdef int _INPUTS[9]
+_INPUTS[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_MASK, S_PARTIAL, S_MEAN_LOW]
+
+
+cdef inline bint _writes(int op, int slot) noexcept nogil:
+    """Whether `slot` of _OUTPUTS is an output of `op`: mean_low is the forward's only."""
+    return slot != S_MEAN_LOW or (op & OP_FORWARD) != 0
 
 
 cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg,
@@ -204,23 +212,23 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
     """Outputs apart from each other and from every input, except each output's in-place
     input (in_place_input) when it is the very same view."""
     cdef const int *outputs = &_OUTPUTS[0]
-    cdef int inputs[8]
+    cdef const int *inputs = &_INPUTS[0]
     cdef int i, j, o, k, rc, same
-    inputs[:] = [S_X, S_DY, S_MEAN, S_VAR, S_SCALE, S_BETA, S_MASK, S_PARTIAL]
-    for i in range(8):
+    for i in range(9):
         o = outputs[i]
-        if not a[o].present or a[o].data == NULL:
+        if not a[o].present or a[o].data == NULL or not _writes(op, o):
             continue
         same = in_place_input(op, o)
-        for j in range(i + 1, 8):
+        for j in range(i + 1, 9):
             k = outputs[j]
-            if a[k].present and a[k].data != NULL and may_share(&a[o], &a[k]) != 0:
+            if (a[k].present and a[k].data != NULL and _writes(op, k)
+                    and may_share(&a[o], &a[k]) != 0):
                 snprintf(msg, cap, "%s overlaps %s; outputs must not overlap", r.labels[o],
                          r.labels[k])
                 return BNBW_ERROR_OVERLAP
-        for j in range(8):
+        for j in range(9):
             k = inputs[j]
-            if not a[k].present or a[k].data == NULL:
+            if not a[k].present or a[k].data == NULL or k == o:
                 continue
             if k == same and same_view(&a[o], &a[k]):
                 continue
@@ -235,13 +243,13 @@ cdef bnbw_status _check_overlaps(const Rules *r, const Arg *a, int op, char *msg
     return BNBW_OK
 
 
-cdef bnbw_status check_apart_from_caller(const Rules *r, const Arg *a, int role,
+cdef bnbw_status check_apart_from_caller(const Rules *r, const Arg *a, int op, int role,
                                          const Arg *caller, char *msg, size_t cap) noexcept nogil:
-    """The given outputs apart from `caller`, the caller's memory of input `role` where the
-    call reads a copy of it (check_call saw only the copy)."""
+    """The given outputs of `op` apart from `caller`, the caller's memory of input `role`
+    where the call reads a copy of it (check_call saw only the copy)."""
     cdef int i
-    for i in range(8):
-        if (a[_OUTPUTS[i]].present and a[_OUTPUTS[i]].data != NULL
+    for i in range(9):
+        if (a[_OUTPUTS[i]].present and a[_OUTPUTS[i]].data != NULL and _writes(op, _OUTPUTS[i])
                 and may_share(&a[_OUTPUTS[i]], caller) != 0):
             snprintf(msg, cap, "%s overlaps the input %s", r.labels[_OUTPUTS[i]], r.names[role])
             return BNBW_ERROR_OVERLAP
@@ -287,8 +295,8 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
     cdef const Arg *dy = &a[S_DY]
     cdef char text[256]
     cdef const char *hint
-    cdef int roles[4]
-    cdef int stat_outputs[4]
+    cdef int roles[5]
+    cdef int stat_outputs[5]
     cdef int i, role, t2 = -1, t2_role = S_MEAN
     cdef int64_t C, local = 1
     cdef bnbw_status rc
@@ -317,10 +325,11 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
                 return BNBW_ERROR_STRIDES
     C = x.shape[axis]
     channels[0] = C
-    roles[:] = [S_MEAN, S_VAR, S_SCALE, S_BETA]
-    for i in range(4):
+    # mean_low: the backward's, read (the forward writes one: an output, below)
+    roles[:] = [S_MEAN, S_VAR, S_SCALE, S_BETA, -1 if op & OP_FORWARD else S_MEAN_LOW]
+    for i in range(5):
         role = roles[i]
-        if not a[role].present:
+        if role < 0 or not a[role].present:
             continue
         rc = _kind(r, &a[role], role, msg, cap)
         if rc != BNBW_OK:
@@ -402,10 +411,10 @@ cdef bnbw_status _check_arrays(const Rules *r, Arg *a, int op, int axis, const E
         rc = _check_output(r, &a[S_DX], S_DX, x.dtype, x.ndim, x.shape, msg, cap)
         if rc != BNBW_OK:
             return rc
-    stat_outputs[:] = [S_DSCALE, S_DBIAS, -1, -1]
+    stat_outputs[:] = [S_DSCALE, S_DBIAS, -1, -1, -1]
     if op & OP_FORWARD:
-        stat_outputs[:] = [S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR]
-    for i in range(4):
+        stat_outputs[:] = [S_RUN_MEAN, S_RUN_VAR, S_BATCH_MEAN, S_BATCH_VAR, S_MEAN_LOW]
+    for i in range(5):
         if stat_outputs[i] >= 0 and a[stat_outputs[i]].present:
             rc = _check_output(r, &a[stat_outputs[i]], stat_outputs[i], t2, 1, &C, msg, cap)
             if rc != BNBW_OK:
@@ -601,7 +610,8 @@ cdef void real_of_float(float value, Real *e) noexcept nogil:
 ROLES = {"x": S_X, "dy": S_DY, "dx": S_DX, "relu_dst": S_MASK, "diff_residual": S_DRES,
          "mean": S_MEAN, "var": S_VAR, "scale": S_SCALE, "beta": S_BETA, "dscale": S_DSCALE,
          "dbias": S_DBIAS, "run_mean": S_RUN_MEAN, "run_var": S_RUN_VAR,
-         "batch_mean": S_BATCH_MEAN, "batch_var": S_BATCH_VAR, "partial": S_PARTIAL}
+         "batch_mean": S_BATCH_MEAN, "batch_var": S_BATCH_VAR, "mean_low": S_MEAN_LOW,
+         "partial": S_PARTIAL}
 # where each output stands in `out` (the backward's three, the forward's five)
 OUT_INDEX = {"dx": 0, "dscale": 1, "dbias": 2, "run_mean": 1, "run_var": 2, "batch_mean": 3,
              "batch_var": 4}
@@ -637,8 +647,10 @@ cdef class Convention:
         copy_name(self.rules.names[NAME_MOMENTUM], "momentum", NAME_CAP)
         self.rules.scale_required = scale_required
         self.rules.beta_required = beta_required
-        if "partial" not in names:
-            copy_name(self.rules.names[S_PARTIAL], "partial", NAME_CAP)
+        for key in ("partial", "mean_low"):      # (the private ones: the same everywhere)
+            if key not in names:
+                copy_name(self.rules.names[ROLES[key]], key, NAME_CAP)
+                copy_name(self.rules.labels[ROLES[key]], key, NAME_CAP + 16)
 
     def name(self, role):
         return self.rules.names[ROLES[role]].decode()

@@ -2,14 +2,18 @@
 
     torch.ops.bnbw_native.batch_norm_train(x, weight, bias, running_mean, running_var,
         factor, eps, relu, group, num_threads, residual=None, batches_tracked=None)
-        -> (y, mean, variance, count, new_running_mean, new_running_var)
+        -> (y, mean, variance, count, new_running_mean, new_running_var, mean_low)
     torch.ops.bnbw_native.batch_norm_train_backward(grad_y, x, weight, mean, variance,
-        relu_out, eps, group, num_threads, input_grad, residual_grad=False)
+        relu_out, eps, group, num_threads, input_grad, residual_grad=False, mean_low=None)
         -> (grad_x, grad_weight, grad_bias, grad_residual)
 
 Registered with torch.library.custom_op, with fake (meta) implementations and an autograd
 formula, so eager mode, torch.compile (the graph holds the operators as opaque calls) and
-torch.func transforms all run the same kernels and give the same bits.  Each pass is one
+torch.func transforms all run the same kernels and give the same bits.  `mean` is the batch
+mean rounded to float32 and `mean_low` the rest of the exact (float64) one; the backward
+centres on their sum, so its gradients are as exact at a large mean as at 0 (a float32 mean
+alone moved dgamma by up to 1e-3 relative at a mean of 1e4 standard deviations).  Over a
+process group mean_low is 0.  Each pass is one
 native call on the tensors themselves (address, sizes, strides): y and grad_x are written
 straight into the tensors returned.  In plain eager mode the layers skip the dispatcher and
 the custom-op wrappers (EagerLayerStep), about 60 us per layer and step, and
@@ -181,14 +185,16 @@ def _f32(p):
 
 def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, updated=None,
              residual=None):
-    """(y, batch mean, biased batch variance, element count per channel) of a training batch
-    norm; with `running` (running_mean, running_var), their update written to `updated` (the
-    same tensors: in place).  residual (relu, no group; x's shape, type and strides):
-    y = max(bn(x) + residual, 0) in the pass that writes y."""
+    """(y, batch mean, biased batch variance, element count per channel, the batch mean's low
+    part) of a training batch norm; with `running` (running_mean, running_var), their update
+    written to `updated` (the same tensors: in place).  residual (relu, no group; x's shape,
+    type and strides): y = max(bn(x) + residual, 0) in the pass that writes y."""
     channels = x.shape[1]
     nt = threads(num_threads)
     if group:
-        return _sync_forward(x, weight, bias, running, factor, eps, relu, group, nt, updated)
+        y, mean, var, count = _sync_forward(x, weight, bias, running, factor, eps, relu, group,
+                                            nt, updated)
+        return y, mean, var, count, torch.zeros_like(mean)
     count = x.numel() // channels if channels else 0
     if count == 0:
         raise ValueError("batch norm in training mode needs at least one value per "
@@ -196,12 +202,14 @@ def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, up
     y = torch.empty_like(x)
     mean = torch.empty(channels, dtype=torch.float32)
     var = torch.empty_like(mean)
+    mean_low = torch.empty_like(mean)
     if running is None:       # the old statistics are placeholders, the new ones dropped
         old = np.zeros(channels, np.float32)
         running, updated = (old, old), (np.empty_like(old), np.empty_like(old))
     forward(FORWARD, x, *running, _f32(weight), _f32(bias), eps, factor, "NCX", relu,
-            (y, *updated, mean, var), nt, torch_running=True, tensors=True, residual=residual)
-    return y, mean, var, count
+            (y, *updated, mean, var), nt, torch_running=True, tensors=True, residual=residual,
+            mean_low=mean_low)
+    return y, mean, var, count, mean_low
 
 
 def _sync_forward(x, weight, bias, running, factor, eps, relu, group, nt, updated):
@@ -240,23 +248,23 @@ def _forward_added(x, weight, bias, running, factor, eps, relu, group, num_threa
     fused = None if residual is None else _in_layout_of(x, residual, num_threads)
     if fused is not None and not _laid_out_like(x, fused):
         fused = None                  # (x not dense, the residual laid out otherwise)
-    y, mean, var, count = _forward(x, weight, bias, running, factor, eps,
-                                   relu and (residual is None or fused is not None), group,
-                                   num_threads, updated, fused)
+    y, mean, var, count, mean_low = _forward(x, weight, bias, running, factor, eps,
+                                             relu and (residual is None or fused is not None),
+                                             group, num_threads, updated, fused)
     if residual is not None and fused is None:
         y.add_(residual).relu_()
-    return y, mean, var, count
+    return y, mean, var, count, mean_low
 
 
 def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                  running_mean: Optional[Tensor], running_var: Optional[Tensor], factor: float,
                  eps: float, relu: bool, group: str, num_threads: Optional[int],
                  residual: Optional[Tensor] = None, batches_tracked: Optional[Tensor] = None
-                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Training-mode batch norm of (N, C, *) by the engine's forward: y (ReLU applied when
     relu, after adding the residual when one is given), the batch mean and biased variance
-    (float32), the element count per channel (int64, all ranks of the group) and the new
-    running statistics (empty when not tracked)."""
+    (float32), the element count per channel (int64, all ranks of the group), the new
+    running statistics (empty when not tracked) and the batch mean's low part."""
     _check_params(x, weight, bias)
     _check_residual(x, relu, group, residual)
     if batches_tracked is not None:
@@ -264,11 +272,11 @@ def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     running = _running(running_mean, running_var)
     updated = None if running is None else (torch.empty_like(running[0]),
                                             torch.empty_like(running[1]))
-    y, mean, var, count = _forward_added(x, weight, bias, running, factor, eps, relu, group,
-                                         num_threads, updated, residual)
+    y, mean, var, count, mean_low = _forward_added(x, weight, bias, running, factor, eps, relu,
+                                                   group, num_threads, updated, residual)
     if updated is None:
         updated = (mean.new_empty(0), mean.new_empty(0))
-    return y, mean, var, torch.tensor(count, dtype=torch.int64), *updated
+    return y, mean, var, torch.tensor(count, dtype=torch.int64), *updated, mean_low
 
 
 # The operators read and write any strides (y and grad_x take x's layout), so a compiler may
@@ -291,27 +299,28 @@ def _(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_
     new = ((mean.new_empty(0), mean.new_empty(0)) if running_mean is None else
            (torch.empty_like(running_mean), torch.empty_like(running_var)))
     return (torch.empty_like(x), mean, torch.empty_like(mean),
-            x.new_empty((), dtype=torch.int64), *new)
+            x.new_empty((), dtype=torch.int64), *new, torch.empty_like(mean))
 
 
 # ---- backward ----------------------------------------------------------------------------
 
 def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor,
                   var: Tensor, relu_out: Optional[Tensor], eps: float, group: str,
-                  num_threads: Optional[int], input_grad: bool, residual_grad: bool = False
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                  num_threads: Optional[int], input_grad: bool, residual_grad: bool = False,
+                  mean_low: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias, grad_residual) of batch_norm_train; grad_x is empty
     unless input_grad, grad_residual unless residual_grad (relu_out given, no group).  The
     parameter gradients are this rank's (float32, whatever weight's type).  With relu_out
     (the layer's output), the engine masks the gradient with it in both passes.  Without a
     group: one native call on the tensors' own memory."""
     dx, dgamma, dbeta, d_res = _backward_grads(grad_y, x, weight, mean, var, relu_out, eps,
-                                               group, num_threads, input_grad, residual_grad)
+                                               group, num_threads, input_grad, residual_grad,
+                                               mean_low)
     return dx, dgamma, dbeta, x.new_empty(0) if d_res is None else d_res
 
 
 def _backward_grads(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
-                    residual_grad):
+                    residual_grad, mean_low=None):
     """backward_impl's gradients, grad_residual None unless residual_grad (the eager layers
     take them so, without the operator's placeholder)."""
     if residual_grad and (relu_out is None or group):
@@ -319,7 +328,7 @@ def _backward_grads(grad_y, x, weight, mean, var, relu_out, eps, group, num_thre
     # (in the layout _backward_pass reads grad_y in)
     d_res = torch.empty_like(x, dtype=grad_y.dtype) if residual_grad else None
     dx, dgamma, dbeta = _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group,
-                                       num_threads, input_grad, d_res)
+                                       num_threads, input_grad, d_res, mean_low)
     return dx, dgamma, dbeta, d_res
 
 
@@ -376,9 +385,10 @@ def _transposed(src, dst, num_threads):
 
 
 def _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
-                   residual_grad=None):
+                   residual_grad=None, mean_low=None):
     """backward_impl; with residual_grad (a tensor like grad_y; no group) the masked gradient
-    - the gradient of a residual added before the ReLU - is written there too."""
+    - the gradient of a residual added before the ReLU - is written there too.  mean_low (no
+    group): the mean's low part, the backward centring on mean + mean_low."""
     grad_y = _in_layout_of(x, grad_y, num_threads)
     channels = x.shape[1]
     gamma = _f32(weight)
@@ -388,14 +398,15 @@ def _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threa
     if not input_grad:
         # parameters only: the sums and their coefficients, no dx pass
         backward(TWO_PHASE, PARAMS, x, grad_y, mean, var, gamma, eps, "NCX", (dgamma, dbeta),
-                 nt, relu_dst=relu_out, tensors=True)
+                 nt, relu_dst=relu_out, tensors=True, mean_low=mean_low)
         if residual_grad is not None:       # dy where y > 0, else +0, as the kernel writes it
             torch.where(relu_out > 0, grad_y, grad_y.new_zeros(()), out=residual_grad)
         return x.new_empty(0), dgamma, dbeta
     dx = torch.empty_like(x)
     if not group:
         backward(GRAPH, TRAINING, x, grad_y, mean, var, gamma, eps, "NCX", (dx, dgamma, dbeta),
-                 nt, relu_dst=relu_out, diff_residual=residual_grad, tensors=True)
+                 nt, relu_dst=relu_out, diff_residual=residual_grad, tensors=True,
+                 mean_low=mean_low)
         return dx, dgamma, dbeta
     from .distributed import _torch_sync
     perm, data_format = channel_order(x)
@@ -419,7 +430,7 @@ batch_norm_train_backward = torch.library.custom_op("bnbw_native::batch_norm_tra
 
 @batch_norm_train_backward.register_fake
 def _(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
-      residual_grad=False):
+      residual_grad=False, mean_low=None):
     dx = torch.empty_like(x) if input_grad else x.new_empty(0)
     dgamma = x.new_empty(x.shape[1], dtype=torch.float32)
     d_res = torch.empty_like(x, dtype=grad_y.dtype) if residual_grad else x.new_empty(0)
@@ -454,11 +465,11 @@ _RESIDUAL_INPUT = 10        # batch_norm_train's residual among its inputs
 def _setup_context(ctx, inputs, output):
     x, weight, bias, _, _, _, eps, relu, group, num_threads = inputs[:_RESIDUAL_INPUT]
     residual = inputs[_RESIDUAL_INPUT] if len(inputs) > _RESIDUAL_INPUT else None
-    y, mean, var, _, new_mean, new_var = output
-    ctx.save_for_backward(x, weight, mean, var, y if relu else None)
+    y, mean, var, _, new_mean, new_var, mean_low = output
+    ctx.save_for_backward(x, weight, y if relu else None, mean, var, mean_low)
     _keep_options(ctx, weight, bias, eps, group, num_threads,
                   None if residual is None else _RESIDUAL_INPUT)
-    ctx.mark_non_differentiable(mean, var, new_mean, new_var)
+    ctx.mark_non_differentiable(mean, var, new_mean, new_var, mean_low)
 
 
 def _keep_options(ctx, weight, bias, eps, group, num_threads, residual_at):
@@ -484,14 +495,15 @@ def _param_grads(ctx, dgamma, dbeta):
 def _grads(ctx, grad_y, backward, stats=()):
     """The autograd formula: (grad_x, grad_weight, grad_bias, grad_residual), None where not
     needed; `backward` is the operator, or its implementation in eager mode; the saved
-    tensors hold the statistics unless given."""
-    x, weight, *saved, y = ctx.saved_tensors
+    tensors hold the statistics (mean, var, mean_low) unless given."""
+    x, weight, y, *saved = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     need_r = ctx.residual_at is not None and ctx.needs_input_grad[ctx.residual_at]
     if not (need_x or need_w or need_b or need_r):
         return None, None, None, None
-    dx, dgamma, dbeta, d_res = backward(grad_y, x, weight, *(stats or saved), y, ctx.eps,
-                                        ctx.group, ctx.num_threads, need_x, need_r)
+    mean, var, mean_low = stats or saved
+    dx, dgamma, dbeta, d_res = backward(grad_y, x, weight, mean, var, y, ctx.eps, ctx.group,
+                                        ctx.num_threads, need_x, need_r, mean_low)
     return (dx if need_x else None, *_param_grads(ctx, dgamma if need_w else None,
                                                   dbeta if need_b else None),
             d_res if need_r else None)
@@ -513,7 +525,7 @@ def _refuse_nested_transforms():
 
 
 @once_differentiable
-def _backward(ctx, grad_y, _mean, _var, _count, _new_mean, _new_var):
+def _backward(ctx, grad_y, _mean, _var, _count, _new_mean, _new_var, _mean_low):
     _refuse_nested_transforms()
     dx, dgamma, dbeta, d_res = _grads(ctx, grad_y,
                                       torch.ops.bnbw_native.batch_norm_train_backward)
@@ -551,12 +563,12 @@ class EagerLayerStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running, options):
         factor, eps, relu, group, num_threads = options       # (few arguments: apply is faster)
-        y, mean, var, _ = _forward_added(x, weight, bias, running, factor, eps, relu, group,
-                                         num_threads, running, residual)
+        y, mean, var, _, mean_low = _forward_added(x, weight, bias, running, factor, eps, relu,
+                                                   group, num_threads, running, residual)
         if running is not None and not group:    # written by the kernel, as by torch's op
             torch.autograd.graph.increment_version(running)
         ctx.save_for_backward(x, weight, y if relu else None)
-        ctx.stats = (mean, var)
+        ctx.stats = (mean, var, mean_low)
         _keep_options(ctx, weight, bias, eps, group, num_threads,
                       None if residual is None else 3)
         return y
@@ -626,9 +638,9 @@ def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked,
             relu and (residual is None or inside is not None), group, num_threads, inside,
             counted)
     if compiling:
-        y, _, _, _, new_mean, new_var = torch.ops.bnbw_native.batch_norm_train(*args)
+        y, _, _, _, new_mean, new_var, _ = torch.ops.bnbw_native.batch_norm_train(*args)
     else:
-        y, _, _, _, new_mean, new_var = BatchNormTrain.apply(*args)
+        y, _, _, _, new_mean, new_var, _ = BatchNormTrain.apply(*args)
     if running_mean is not None:   # (not under no_grad: an exported program that holds one
         running_mean.copy_(new_mean)    # fails to load; new_* are non-differentiable anyway)
         running_var.copy_(new_var)

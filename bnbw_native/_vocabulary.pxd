@@ -52,10 +52,12 @@ cdef enum:  # Slot
     S_RUN_VAR = 12
     S_BATCH_MEAN = 13
     S_BATCH_VAR = 14
-    S_PARTIAL = 15       # the two-phase sums given to backward_apply, copied in
+    S_MEAN_LOW = 15      # the mean's low part: the backward centres on mean + mean_low (an
+                         # input), the forward writes batch mean's (an output; the torch layers)
+    S_PARTIAL = 16       # the two-phase sums given to backward_apply, copied in
     N_BIG = 5
-    N_SLOTS = 15         # the slots the engine reads or writes
-    N_ROLES = 16         # every slot validation knows
+    N_SLOTS = 16         # the slots the engine reads or writes
+    N_ROLES = 17         # every slot validation knows
 
 # What a call does (flags), and what one pass of a schedule does (a subset: OP_REDUCE and/or
 # OP_DX; the call's formula - OP_FORWARD, OP_TRAINING or neither - says which kernels).

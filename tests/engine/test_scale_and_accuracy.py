@@ -385,3 +385,61 @@ def test_parameter_gradients_accurate_for_2_24_elements(data_format, shape, dy_k
         assert got.dtype == F32 and got.shape == (1,)
         error = abs(float(got[0]) - ref[0]) / max(abs(ref[0]), norm)
         assert error <= 1e-6, f"relative error {error:.3g} (got {got[0]!r}, ref {ref[0]!r})"
+
+
+@pytest.mark.parametrize("storage", [F32, np.dtype(np.float16)] + ([BF16] if BF16 else []),
+                         ids=lambda d: d.name)
+@pytest.mark.parametrize("data_format", ["NCX", "NXC"])
+def test_a_backward_centred_on_the_forwards_exact_mean(data_format, storage):
+    """The torch layers' path: the forward writes the batch mean rounded to float32 and its
+    low part (mean_low); a backward given both centres on their sum, so its gradients are as
+    exact at a mean of 1e3 standard deviations as at 0 (the float32 mean alone moves dgamma
+    by about 1e-4 relative there).  A mean_low of zeros changes no bit."""
+    from bnbw_native import _arrays
+    from bnbw_native._onednn_graph import FORWARD, GRAPH
+    rng = np.random.default_rng(41)
+    shape = (32, 12, 9, 9) if data_format == "NCX" else (32, 9, 9, 12)
+    axis = 1 if data_format == "NCX" else 3
+    reduced = tuple(d for d in range(4) if d != axis)
+    C = shape[axis]
+    x = (rng.standard_normal(shape) + 1000.0 * rng.standard_normal(C).reshape(
+        [C if d == axis else 1 for d in range(4)])).astype(F32).astype(storage)
+    dy = rng.standard_normal(shape).astype(F32).astype(storage)
+    gamma = (rng.random(C) + 0.5).astype(F32)
+    zeros = np.zeros(C, F32)
+    out = (np.empty(shape, storage),) + tuple(np.empty(C, F32) for _ in range(4))
+    mean_low = np.empty(C, F32)
+    _arrays.forward(FORWARD, x, zeros, zeros, gamma, zeros, 1e-5, 0.1, data_format, False,
+                    out, 2, mean_low=mean_low)
+    mean, var = out[3], out[4]
+    exact = x.astype(np.float64).mean(axis=reduced)
+    assert np.all(np.abs(mean.astype(np.float64) + mean_low - exact) <= 1e-9 * np.abs(exact))
+    assert np.all(np.abs(mean_low) <= np.spacing(np.abs(mean)))
+
+    # the float64 reference centred on the exact mean
+    shaped = [C if d == axis else 1 for d in range(4)]
+    xc = x.astype(np.float64) - exact.reshape(shaped)
+    g = dy.astype(np.float64)
+    r = 1.0 / np.sqrt(var.astype(np.float64) + 1e-5)
+    M = x.size // C
+    dbeta = g.sum(axis=reduced)
+    dgamma = r * (xc * g).sum(axis=reduced)
+    dx = (gamma * r).reshape(shaped) * (g - dbeta.reshape(shaped) / M
+                                        - xc * (r * dgamma).reshape(shaped) / M)
+
+    def backward(low, threads):
+        return _arrays.backward(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, 1e-5,
+                                data_format, None, threads, mean_low=low)
+
+    got = backward(mean_low, 2)
+    assert same_bits(got, backward(mean_low, 1))
+    # dx rounded once to its storage; the parameter gradients (float32) from sums that 16-bit
+    # storage takes in float32 blocks
+    tol_dx, tol_params = {F32: (1e-6, 1e-6), F16: (2.0 ** -10, 1e-5)}.get(storage,
+                                                                         (2.0 ** -7, 1e-5))
+    for ours, want, tol in zip(got, (dx, dgamma, dbeta), (tol_dx, tol_params, tol_params)):
+        assert np.abs(ours.astype(np.float64) - want).max() <= tol * np.abs(want).max()
+    assert same_bits(backward(zeros, 2),
+                     bnbw_native.batchnorm_training_backward(x, dy, mean, var, gamma,
+                                                             epsilon=1e-5,
+                                                             data_format=data_format))

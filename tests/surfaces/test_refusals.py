@@ -1480,14 +1480,6 @@ def untouched(outputs):
     return all((np.asarray(o, np.float64) == 7).all() for o in outputs)
 
 
-def sentinel_outputs(x, C, dtype=np.float32):
-    return (np.full_like(x, 7), *(np.full(C, 7, dtype) for _ in range(4)))
-
-
-def untouched(outputs):
-    return all((np.asarray(o, np.float64) == 7).all() for o in outputs)
-
-
 FORWARD_CASES = [
     ("src", dict(src=np.zeros((4, 3), np.float64)), TypeError, "src"),
     ("src rank", dict(src=np.zeros(3, np.float32)), ValueError, "src"),
@@ -1698,3 +1690,32 @@ def test_a_refused_real_is_shown_as_given_or_in_scientific_form(value, shown):
     with pytest.raises(ValueError, match="epsilon") as refused:
         dml.BatchNormalizationGrad(**m, epsilon=value)
     assert str(refused.value).endswith("got " + shown)
+
+
+def test_the_private_mean_low_is_checked_as_a_statistic_and_as_an_output():
+    """mean_low (the torch layers' exact mean): a statistic the backward reads, an output the
+    forward writes; refused like the others, with every output untouched."""
+    from bnbw_native import _arrays
+    from bnbw_native._onednn_graph import FORWARD, GRAPH
+    x = np.ones((6, 4), F32)
+    x[0] = 2.0
+    stats = np.ones(4, F32)
+    with pytest.raises(ValueError, match="mean_low must be 1-D of length C = 4"):
+        _arrays.backward(GRAPH, _arrays.TRAINING, x, x, stats, stats, stats, 1e-5, "NXC",
+                         None, 1, mean_low=np.zeros(3, F32))
+    with pytest.raises(TypeError, match="mean_low must have the dtype of mean"):
+        _arrays.backward(GRAPH, _arrays.TRAINING, x, x, stats, stats, stats, 1e-5, "NXC",
+                         None, 1, mean_low=np.zeros(4, np.float16))
+    out = (sentinel(x.shape),) + tuple(sentinel((4,)) for _ in range(4))
+    before = [o.copy() for o in out]
+    with pytest.raises(ValueError, match=r"out\[3\] \(batch_mean\) overlaps mean_low"):
+        _arrays.forward(FORWARD, x, stats, stats, stats, stats, 1e-5, 0.1, "NXC", False,
+                        out, 1, mean_low=out[3])
+    assert all(np.array_equal(o, b, equal_nan=True) for o, b in zip(out, before))
+    low = np.full(4, 7.0, F32)
+    _arrays.forward(FORWARD, x, stats, stats, stats, stats, 1e-5, 0.1, "NXC", False, out, 1,
+                    mean_low=low)
+    mean = np.float32(7 / 6)                         # (2 + 5 * 1) / 6 rounded to float32
+    assert np.array_equal(out[3], np.full(4, mean))
+    assert np.array_equal(low, np.full(4, np.float32(7 / 6 - np.float64(mean))))
+    assert low[0] != 0
