@@ -12,10 +12,9 @@ formula, so eager mode, torch.compile (the graph holds the operators as opaque c
 torch.func transforms all run the same kernels and give the same bits.  `mean` is the batch
 mean rounded to float32 and `mean_low` the rest of the exact (float64) one; the backward
 centres on their sum, so its gradients are as exact at a large mean as at 0 (a float32 mean
-alone moved dgamma by up to 1e-3 relative at a mean of 1e4 standard deviations).  Over a
-process group mean_low is 0.  Each pass is one
-native call on the tensors themselves (address, sizes, strides): y and grad_x are written
-straight into the tensors returned.  In plain eager mode the layers skip the dispatcher and
+alone moved dgamma by up to 1e-3 relative at a mean of 1e4 standard deviations).  Each pass
+is one native call on the tensors themselves (address, sizes, strides): y and grad_x are
+written straight into the tensors returned.  In plain eager mode the layers skip the dispatcher and
 the custom-op wrappers (EagerLayerStep), about 60 us per layer and step, and
 torch.autograd.Function.apply's Python layer (_eager_apply), 3-10 us more.
 
@@ -192,9 +191,7 @@ def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, up
     channels = x.shape[1]
     nt = threads(num_threads)
     if group:
-        y, mean, var, count = _sync_forward(x, weight, bias, running, factor, eps, relu, group,
-                                            nt, updated)
-        return y, mean, var, count, torch.zeros_like(mean)
+        return _sync_forward(x, weight, bias, running, factor, eps, relu, group, nt, updated)
     count = x.numel() // channels if channels else 0
     if count == 0:
         raise ValueError("batch norm in training mode needs at least one value per "
@@ -220,20 +217,21 @@ def _sync_forward(x, weight, bias, running, factor, eps, relu, group, nt, update
     y = torch.empty_like(x)
     mean = torch.empty(channels, dtype=torch.float32)
     var = torch.empty_like(mean)
+    mean_low = torch.empty_like(mean)
     dropped = np.empty((2, channels), np.float32)     # the two-phase apply's running outputs
     xs = np_view(x.permute(perm))
     out = (np_view(y.permute(perm)), dropped[0], dropped[1], np_view(mean), np_view(var))
     gamma, beta = (None if p is None else np_view(_f32(p)) for p in (weight, bias))
     shift, sums, count = _sync_sums(xs, data_format, channels, _group(group), nt)
     forward_apply(xs, shift, gamma, beta, sums, count, epsilon=eps, data_format=data_format,
-                  relu=relu, out=out, num_threads=nt)
+                  relu=relu, out=out, num_threads=nt, mean_low=np_view(mean_low))
     if running is not None:
         old = [r.detach().to(torch.float32).double().numpy() for r in running]
         new = torch.from_numpy(torch_running_statistics(shift, sums, count, *old, factor))
         with torch.no_grad():
             updated[0].copy_(new[0])
             updated[1].copy_(new[1])
-    return y, mean, var, count
+    return y, mean, var, count, mean_low
 
 
 def _running(running_mean, running_var):
@@ -387,8 +385,8 @@ def _transposed(src, dst, num_threads):
 def _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
                    residual_grad=None, mean_low=None):
     """backward_impl; with residual_grad (a tensor like grad_y; no group) the masked gradient
-    - the gradient of a residual added before the ReLU - is written there too.  mean_low (no
-    group): the mean's low part, the backward centring on mean + mean_low."""
+    - the gradient of a residual added before the ReLU - is written there too.  mean_low: the
+    mean's low part, the backward centring on mean + mean_low."""
     grad_y = _in_layout_of(x, grad_y, num_threads)
     channels = x.shape[1]
     gamma = _f32(weight)
@@ -415,12 +413,14 @@ def _backward_pass(grad_y, x, weight, mean, var, relu_out, eps, group, num_threa
     stats = np_view(mean), np_view(var)
     gamma_np = None if gamma is None else np_view(gamma)
     params = (np_view(dgamma), np_view(dbeta))
+    low = None if mean_low is None else np_view(mean_low)
     _, local = _torch_sync(xs, dys, *stats, gamma_np, epsilon=eps, group=_group(group),
                            out=(np_view(dx.permute(perm)), *params), keep_local=True,
-                           data_format=data_format, num_threads=nt, relu_dst=relu_dst)
+                           data_format=data_format, num_threads=nt, relu_dst=relu_dst,
+                           mean_low=low)
     # DistributedDataParallel averages parameter gradients: this rank's, from its sums
     backward(TWO_PHASE, PARAMS_FROM_SUMS, xs, dys, *stats, gamma_np, eps, data_format, params,
-             nt, relu_dst=relu_dst, partial=local, count=x.numel() // channels)
+             nt, relu_dst=relu_dst, partial=local, count=x.numel() // channels, mean_low=low)
     return dx, dgamma, dbeta
 
 

@@ -41,11 +41,19 @@ def backward_apply(x, dy, mean, variance, gamma, partial, count, *, epsilon,
     partial: the (2, C) float64 sums over all ranks; count: the global element count per
     channel (>= the local one).  gamma None means 1.  relu_dst, diff_residual: as in
     batchnorm_training_backward (pass the same relu_dst to backward_reduce)."""
-    data_format = check_data_format(data_format, x)
+    return apply_sums(x, dy, mean, variance, gamma, partial, count, epsilon=epsilon,
+                      data_format=check_data_format(data_format, x), out=out,
+                      num_threads=num_threads, relu_dst=relu_dst, diff_residual=diff_residual)
+
+
+def apply_sums(x, dy, mean, variance, gamma, partial, count, *, epsilon, data_format, out,
+               num_threads, relu_dst, diff_residual, mean_low=None):
+    """backward_apply with a checked data_format; mean_low (the torch layers'): the mean is
+    mean + mean_low, the sums in `partial` taken around mean."""
     return BackwardResult(*backward(TWO_PHASE, APPLY, x, dy, mean, variance, gamma, epsilon,
                                     data_format, out, num_threads, relu_dst=relu_dst,
                                     diff_residual=diff_residual, partial=partial,
-                                    count=count))
+                                    count=count, mean_low=mean_low))
 
 
 # The forward in two phases.  Every rank sums its rows around one shift the ranks share, the
@@ -64,9 +72,11 @@ def forward_reduce(x, shift, *, data_format, num_threads=None):
 
 
 def forward_apply(x, shift, gamma, beta, sums, count, *, epsilon, data_format, relu=False,
-                  out=None, num_threads=None):
+                  out=None, num_threads=None, mean_low=None):
     """The forward's outputs from the global sums around `shift` and the global count:
     (y, _, _, batch_mean, batch_variance) - the two running statistics equal the batch ones
-    here (momentum 0); the layer keeps its own."""
+    here (momentum 0); the layer keeps its own.  mean_low: an output for what rounding the
+    batch mean left out."""
     return forward(FORWARD_PHASES, x, shift, shift, gamma, beta, epsilon, 0.0, data_format,
-                   relu, out, num_threads, formula=FORWARD_APPLY, partial=sums, count=count)
+                   relu, out, num_threads, formula=FORWARD_APPLY, partial=sums, count=count,
+                   mean_low=mean_low)

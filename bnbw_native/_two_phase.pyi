@@ -34,6 +34,23 @@ def backward_apply(
     relu_dst: ArrayLike | None = None,
     diff_residual: Any | None = None,
 ) -> BackwardResult: ...
+def apply_sums(
+    x: ArrayLike,
+    dy: ArrayLike,
+    mean: ArrayLike,
+    variance: ArrayLike,
+    gamma: ArrayLike | None,
+    partial: ArrayLike,
+    count: int,
+    *,
+    epsilon: float | np.floating[Any],
+    data_format: Literal["NXC", "NCX"],
+    out: tuple[Any, ...] | None,
+    num_threads: int | None,
+    relu_dst: ArrayLike | None,
+    diff_residual: Any | None,
+    mean_low: Any | None = None,
+) -> BackwardResult: ...
 
 FORWARD_PHASES: Convention
 
@@ -53,4 +70,5 @@ def forward_apply(
     relu: bool = False,
     out: Any = None,
     num_threads: int | None = None,
+    mean_low: Any = None,
 ) -> tuple[NDArray[Any], ...]: ...

@@ -29,7 +29,7 @@ torch and mpi4py are optional: they are imported on the first call, never with t
 """
 from ._onednn_graph import BackwardResult
 from ._rules import NXC_DEFAULT, check_data_format, check_epsilon
-from ._two_phase import backward_apply, backward_reduce
+from ._two_phase import apply_sums, backward_apply, backward_reduce
 
 _TORCH_HINT = ("sync_batchnorm_backward needs PyTorch with torch.distributed: "
                "pip install 'bnbw_native[torch]'")
@@ -99,9 +99,11 @@ def _check_group(group):
 
 
 def _torch_sync(x, dy, mean, variance, gamma, *, epsilon, data_format, group, out,
-                num_threads, keep_local=False, relu_dst=None, diff_residual=None):
+                num_threads, keep_local=False, relu_dst=None, diff_residual=None,
+                mean_low=None):
     """The torch.distributed path; also returns a copy of the local sums when keep_local
-    (the autograd layer derives DDP-style local parameter gradients from them)."""
+    (the autograd layer derives DDP-style local parameter gradients from them, and passes
+    the forward's mean_low: the mean is mean + mean_low)."""
     torch, dist = _check_group(group)
     data_format = _local_checks(data_format, epsilon, x, 3)
     partial, count = backward_reduce(x, dy, mean, data_format=data_format,
@@ -114,10 +116,10 @@ def _torch_sync(x, dy, mean, variance, gamma, *, epsilon, data_format, group, ou
                dist.all_reduce(counts, group=group, async_op=True)]
     for work in pending:
         work.wait()
-    result = backward_apply(x, dy, mean, variance, gamma, partial, int(counts[0]),
-                            epsilon=epsilon, data_format=data_format, out=out,
-                            num_threads=num_threads, relu_dst=relu_dst,
-                            diff_residual=diff_residual)
+    result = apply_sums(x, dy, mean, variance, gamma, partial, int(counts[0]),
+                        epsilon=epsilon, data_format=data_format, out=out,
+                        num_threads=num_threads, relu_dst=relu_dst,
+                        diff_residual=diff_residual, mean_low=mean_low)
     return result, local
 
 

@@ -309,6 +309,26 @@ def test_sync_batchnorm_layer_equals_batchnorm2d_on_the_whole_batch(gloo_ranks, 
     assert rel_err(db, ref.bias.grad) <= 1e-5
 
 
+def test_sync_batchnorm_gradients_are_float64_accurate_far_from_zero(gloo_ranks):
+    # x + 1e4: on the float32 mean alone dweight was off by about 1e-4 relative
+    import torch
+    data, ranks = gloo_ranks
+    ref = torch.nn.BatchNorm2d(C, eps=EPS).double()
+    far = np.moveaxis(data["x"] + np.float32(1e4), -1, 1)          # float32, as the ranks add
+    x = torch.from_numpy(far.astype(np.float64)).requires_grad_()
+    dy = torch.from_numpy(np.moveaxis(data["dy"], -1, 1).astype(np.float64))
+    (ref(x) * dy).sum().backward()
+    bounds = data["bounds"]
+    for r, res in enumerate(ranks):
+        lo, hi = bounds[r], bounds[r + 1]
+        if hi > lo:
+            assert rel_err(res["far_dx"], x.grad[lo:hi]) <= 1e-6
+    dw = sum(res["far_dw"].astype(np.float64) for res in ranks)
+    db = sum(res["far_db"].astype(np.float64) for res in ranks)
+    assert rel_err(dw, ref.weight.grad) <= 1e-6
+    assert rel_err(db, ref.bias.grad) <= 1e-6
+
+
 # ---- MPI ----------------------------------------------------------------------------------
 
 def _mpirun():

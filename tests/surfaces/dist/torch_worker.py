@@ -79,6 +79,13 @@ def main(rank, world, data_path, out_dir):
                       f"{tag}_rv": bn.running_var.numpy(),
                       f"{tag}_dx_format": np.array(xin.grad.is_contiguous(memory_format=fmt))})
 
+    # far from zero (every x + 1e4): the backward centres on the forward's exact mean here too
+    far = SyncBatchNorm(len(mean), eps=eps, num_threads=1)
+    xin = (xt + 1e4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    (far(xin) * dyt).sum().backward()
+    saved.update(far_dx=xin.grad.numpy(), far_dw=far.weight.grad.numpy(),
+                 far_db=far.bias.grad.numpy())
+
     # the fused layer compiled (aot_eager, one graph): the same bits as in eager mode
     eager = SyncBatchNormReLU(len(mean), eps=eps, num_threads=1)
     compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True)
