@@ -619,10 +619,11 @@ def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked,
     """y of batch_norm_train with its autograd formula, the running statistics updated in
     place with torch's momentum (None: the cumulative average, 1 / batches_tracked):
     EagerLayerStep in plain eager mode; else the operator (the graph holds it when
-    compiling), through BatchNormTrain under torch.func transforms, its new running
+    compiling or tracing with torch.jit.trace, which cannot record a Python autograd
+    Function), through BatchNormTrain under torch.func transforms, its new running
     statistics then stored.  A residual (with relu): y = max(bn(x) + residual, 0), inside
     the operator (as torch ops around it over a process group)."""
-    compiling = torch.compiler.is_compiling()
+    compiling = torch.compiler.is_compiling() or torch.jit.is_tracing()    # a graph's op
     counted = None                  # (the count, when the operator reads it when it runs)
     if momentum is not None or running_mean is None:
         factor = 0.0 if momentum is None else float(momentum)

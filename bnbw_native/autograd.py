@@ -163,6 +163,15 @@ class BatchNorm(torch.nn.Module):
         """The operators' name for the group whose batch this layer normalises ("": none)."""
         return ""
 
+    def __prepare_scriptable__(self) -> "BatchNorm":
+        # torch.jit.script calls this on every submodule before compiling it; TorchScript
+        # cannot compile the Python around the operators, and its own error names a line of
+        # ours and a type "Any"
+        raise RuntimeError(
+            f"{type(self).__name__} cannot be compiled by torch.jit.script (TorchScript): "
+            "its forward is Python around custom operators. torch.jit.trace, torch.compile "
+            "and torch.export take it")
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:   # torch's name: bn(input=x)
         return self._train_or_eval(input, None)
 

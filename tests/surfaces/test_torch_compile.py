@@ -96,6 +96,31 @@ def test_a_cumulative_average_compiles_once_and_equals_eager():
     assert int(compiled[1].num_batches_tracked) == 4
 
 
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_torch_jit_trace_records_the_operators_and_equals_eager(momentum):
+    # the eager path's Python autograd Function cannot be traced ("unordered_map::at");
+    # tracing takes the operators, as compiling does
+    eager = bag.convert_batchnorm(small_net(), fuse_relu=True)
+    for layer in (eager[1], eager[3]):
+        layer.momentum = momentum
+    g = torch.Generator().manual_seed(8)
+    x0 = torch.randn(6, 3, 8, 8, generator=g)
+    traced_from = copy.deepcopy(eager)
+    traced = torch.jit.trace(traced_from, x0, check_trace=False)
+    eager.load_state_dict(traced_from.state_dict())     # the trace ran one training step
+    assert str(traced.inlined_graph).count("bnbw_native::batch_norm_train(") == 2
+    for _ in range(2):
+        x = torch.randn(6, 3, 8, 8, generator=g)
+        compare(step(traced, x), step(eager, x), tol=0)
+    assert torch.equal(traced_from[1].running_var, eager[1].running_var)
+
+
+def test_torch_jit_script_is_refused_with_a_clear_error():
+    model = bag.convert_batchnorm(small_net(), fuse_relu=True)
+    with pytest.raises(RuntimeError, match="BatchNormReLU cannot be compiled by torch.jit.script"):
+        torch.jit.script(model)
+
+
 class Block(torch.nn.Module):
     """A residual block as torchvision writes it: ReLU called in forward, `out += x`."""
 
