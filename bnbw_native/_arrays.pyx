@@ -116,16 +116,16 @@ def register_tensor_types(types, dtypes, strided):
     _strided = strided
 
 
-cdef bint _fill_tensor(Arg *a, t) except -1:
+cdef bint _fill_tensor(Arg *a, t, bint memory=False) except -1:
     """a describes a plain CPU tensor's memory (of a registered type and dtype, strided, its
-    memory its values); False, a untouched, for anything else, which then goes through
-    NumPy."""
+    memory its values - or, when `memory`, whatever its memory holds); False, a untouched,
+    for anything else, which then goes through NumPy."""
     cdef int d, code, size
     if type(t) not in _tensor_types:
         return False
     entry = _tensor_dtypes.get(t.dtype)
     # (the dtypes registered are real: torch sets the conjugate bit on complex tensors only)
-    if entry is None or not t.is_cpu or t.layout is not _strided or t.is_neg():
+    if entry is None or not t.is_cpu or t.layout is not _strided or (t.is_neg() and not memory):
         return False
     shape = t.shape
     strides = t.stride()
@@ -157,6 +157,8 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
         if _fill_tensor(a, obj) and a.aligned:
             return None
         if _lazy_tensor(obj):       # its memory is not its values: read them (a copy)
+            if copied is not None:
+                copied.append((role, obj))
             obj = obj.detach().resolve_conj().resolve_neg()
             keep.append(obj)
             if _fill_tensor(a, obj) and a.aligned:
@@ -224,7 +226,10 @@ cdef void _check_copied_inputs(const Rules *r, const Arg *a, int op, list copied
     cdef bnbw_status rc
     cdef char msg[MESSAGE_CAP]
     for role, original in copied:
-        _fill(&caller, <cnp.ndarray> original)
+        if cnp.PyArray_Check(original):
+            _fill(&caller, <cnp.ndarray> original)
+        else:                       # a tensor whose memory holds -x: that memory
+            _fill_tensor(&caller, original, True)
         caller.dtype = a[role].dtype          # the copy's type: the same item size, native
         rc = check_apart_from_caller(r, a, op, role, &caller, msg, MESSAGE_CAP)
         if rc != BNBW_OK:

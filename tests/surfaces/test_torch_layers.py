@@ -508,6 +508,29 @@ def test_negative_bit_inputs_are_read_as_their_values():
         assert torch.equal(u, v)
 
 
+def test_an_output_over_the_memory_of_a_negative_bit_input_is_refused():
+    """A negated view is read through a copy; an output placed over its memory would overwrite
+    the caller's tensor, so it is refused as any overlap is, every output untouched."""
+    from bnbw_native._arrays import TRAINING, backward
+    from bnbw_native._onednn_graph import GRAPH
+    x, dy = data((3, 4, 5, 5))
+    held = -x
+    stats = torch.zeros(4), torch.ones(4)
+    params = torch.full((4,), 7.0), torch.full((4,), 7.0)
+    before = held.clone()
+    with pytest.raises(ValueError, match=r"out\[0\] \(diff_src\) overlaps the input src"):
+        backward(GRAPH, TRAINING, torch._neg_view(held), dy, *stats, None, 1e-5, "NCX",
+                 (held, *params), 1, tensors=True)
+    assert torch.equal(held, before) and all(torch.equal(p, torch.full((4,), 7.0))
+                                             for p in params)
+    dx = torch.empty_like(x)                      # apart from it: accepted, x's own bits
+    backward(GRAPH, TRAINING, torch._neg_view(held), dy, *stats, None, 1e-5, "NCX",
+             (dx, *params), 1, tensors=True)
+    want = backward(GRAPH, TRAINING, x.numpy(), dy.numpy(), *(t.numpy() for t in stats), None,
+                    1e-5, "NCX", None, 1)
+    assert torch.equal(dx, torch.from_numpy(want[0]))
+
+
 def test_vmap_runs_one_batch_norm_per_entry_and_its_gradients():
     """torch.func.vmap (and per-sample gradients, vmap of grad) over a layer without running
     statistics gives what it gives over torch's BatchNorm2d; a layer with running statistics
