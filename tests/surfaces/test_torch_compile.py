@@ -96,6 +96,8 @@ def test_a_cumulative_average_compiles_once_and_equals_eager():
     assert int(compiled[1].num_batches_tracked) == 4
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")   # (the layers' checks)
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
 def test_torch_jit_trace_records_the_operators_and_equals_eager(momentum):
     # the eager path's Python autograd Function cannot be traced ("unordered_map::at");
@@ -115,6 +117,7 @@ def test_torch_jit_trace_records_the_operators_and_equals_eager(momentum):
     assert torch.equal(traced_from[1].running_var, eager[1].running_var)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def test_torch_jit_script_is_refused_with_a_clear_error():
     model = bag.convert_batchnorm(small_net(), fuse_relu=True)
     with pytest.raises(RuntimeError, match="BatchNormReLU cannot be compiled by torch.jit.script"):
