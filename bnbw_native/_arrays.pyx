@@ -277,6 +277,9 @@ cdef object _prepare(Convention conv, Call *c, Arg *a, x, dy, mean, var, scale, 
         _input(beta, &a[S_BETA], conv, S_BETA, keep, tensors, copied)
     if relu_dst is not None:
         _input(relu_dst, &a[S_MASK], conv, S_MASK, keep, tensors, copied)
+    if mean_low is not None and (r.family != FAMILY_ARRAYS or reduce_only):
+        raise TypeError("mean_low is for the one-call and apply formulas of the array "
+                        "conventions (the torch layers'); this call has no use for it")
     if mean_low is not None and not (op & OP_FORWARD):
         _input(mean_low, &a[S_MEAN_LOW], conv, S_MEAN_LOW, keep, tensors, copied)
     c.eps.value = 1.0

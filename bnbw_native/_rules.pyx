@@ -25,6 +25,7 @@ from libc.stdio cimport snprintf
 from libc.string cimport memset, strcmp, strncpy
 from libc.math cimport isfinite, INFINITY
 
+import decimal
 import numbers
 import warnings
 
@@ -566,8 +567,7 @@ def _short_text(value):
     if len(text) <= 47:
         return text
     if isinstance(value, numbers.Integral):
-        digits = str(abs(int(value)))
-        return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:7]}e+{len(digits) - 1}"
+        return f"{decimal.Decimal(int(value)):.6e}"       # (rounded, not cut)
     return text[:44] + "..."
 
 

@@ -175,6 +175,23 @@ def _check_params(x, weight, bias):
             raise TypeError(f"{name} must be a floating-point tensor, got {p.dtype}")
 
 
+def _check_device(x, **tensors):
+    """Every tensor argument of an operator on x's device: a 0-dim meta tensor among CPU ones
+    sends the call to the fake implementation, whose outputs are empty CPU memory."""
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on x's device ({x.device}), got {t.device}")
+
+
+def _cumulative_factor(batches_tracked):
+    """1 / batches_tracked: the cumulative average's weight of the batch (momentum None)."""
+    if (batches_tracked.numel() != 1 or batches_tracked.dtype.is_floating_point
+            or batches_tracked.dtype == torch.bool or int(batches_tracked) < 1):
+        raise ValueError("batches_tracked must be one integer >= 1 (the batches seen, this "
+                         f"one included), got {batches_tracked!r}")
+    return 1.0 / float(batches_tracked)
+
+
 def _f32(p):
     """A parameter as the kernels read it: float32 (the layers keep theirs in float32)."""
     return p if p is None or p.dtype == torch.float32 else p.detach().to(torch.float32)
@@ -265,8 +282,10 @@ def forward_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     running statistics (empty when not tracked) and the batch mean's low part."""
     _check_params(x, weight, bias)
     _check_residual(x, relu, group, residual)
-    if batches_tracked is not None:
-        factor = 1.0 / float(batches_tracked)
+    _check_device(x, weight=weight, bias=bias, running_mean=running_mean,
+                  running_var=running_var, residual=residual, batches_tracked=batches_tracked)
+    if batches_tracked is not None and running_mean is not None:
+        factor = _cumulative_factor(batches_tracked)
     running = _running(running_mean, running_var)
     updated = None if running is None else (torch.empty_like(running[0]),
                                             torch.empty_like(running[1]))
@@ -293,6 +312,8 @@ def _(x, weight, bias, running_mean, running_var, factor, eps, relu, group, num_
       residual=None, batches_tracked=None):
     _check_params(x, weight, bias)
     _check_residual(x, relu, group, residual)
+    _check_device(x, weight=weight, bias=bias, running_mean=running_mean,
+                  running_var=running_var, residual=residual, batches_tracked=batches_tracked)
     mean = x.new_empty(x.shape[1], dtype=torch.float32)
     new = ((mean.new_empty(0), mean.new_empty(0)) if running_mean is None else
            (torch.empty_like(running_mean), torch.empty_like(running_var)))
@@ -311,6 +332,8 @@ def backward_impl(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mean: Ten
     parameter gradients are this rank's (float32, whatever weight's type).  With relu_out
     (the layer's output), the engine masks the gradient with it in both passes.  Without a
     group: one native call on the tensors' own memory."""
+    _check_device(x, grad_y=grad_y, weight=weight, mean=mean, var=var, relu_out=relu_out,
+                  mean_low=mean_low)
     dx, dgamma, dbeta, d_res = _backward_grads(grad_y, x, weight, mean, var, relu_out, eps,
                                                group, num_threads, input_grad, residual_grad,
                                                mean_low)
@@ -431,6 +454,8 @@ batch_norm_train_backward = torch.library.custom_op("bnbw_native::batch_norm_tra
 @batch_norm_train_backward.register_fake
 def _(grad_y, x, weight, mean, var, relu_out, eps, group, num_threads, input_grad,
       residual_grad=False, mean_low=None):
+    _check_device(x, grad_y=grad_y, weight=weight, mean=mean, var=var, relu_out=relu_out,
+                  mean_low=mean_low)
     dx = torch.empty_like(x) if input_grad else x.new_empty(0)
     dgamma = x.new_empty(x.shape[1], dtype=torch.float32)
     d_res = torch.empty_like(x, dtype=grad_y.dtype) if residual_grad else x.new_empty(0)
@@ -630,7 +655,7 @@ def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked,
     elif compiling:
         factor, counted = 0.0, batches_tracked
     else:
-        factor = 1.0 / float(batches_tracked)
+        factor = _cumulative_factor(batches_tracked)
     if not (compiling or torch._C._are_functorch_transforms_active()):
         return _eager_layer_step(x, weight, bias, residual, _running(running_mean, running_var),
                                  (factor, eps, relu, group, num_threads))

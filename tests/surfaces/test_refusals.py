@@ -1675,8 +1675,9 @@ def test_backward_apply_refuses_an_output_over_partial(rng):
 
 @pytest.mark.parametrize("value, shown", [(10 ** 400, "1.000000e+400"),
                                           (-10 ** 60, "-1.000000e+60"),
+                                          (2 * 10 ** 49 - 1, "2.000000e+49"),
                                           (10 ** 40, "10000000000000000000000000000000000000000")],
-                         ids=["huge", "huge-negative", "fits"])
+                         ids=["huge", "huge-negative", "rounded", "fits"])
 def test_a_refused_real_is_shown_as_given_or_in_scientific_form(value, shown):
     """A refused epsilon's message shows the value: an integer too long for the message in
     scientific form, never its leading digits alone (10**400 read as 1000...0, 47 digits)."""
@@ -1706,6 +1707,14 @@ def test_the_private_mean_low_is_checked_as_a_statistic_and_as_an_output():
     with pytest.raises(TypeError, match="mean_low must have the dtype of mean"):
         _arrays.backward(GRAPH, _arrays.TRAINING, x, x, stats, stats, stats, 1e-5, "NXC",
                          None, 1, mean_low=np.zeros(4, np.float16))
+    from bnbw_native import _directml
+    with pytest.raises(TypeError, match="mean_low is for the one-call and apply formulas"):
+        _arrays.backward(_directml.CONVENTION, _arrays.TRAINING, x, x, stats[None],
+                         stats[None], stats[None], 1e-5, "NXC", None, 1,
+                         mean_low=np.zeros(1, F32))       # (it crashed: never checked there)
+    with pytest.raises(TypeError, match="mean_low is for the one-call and apply formulas"):
+        _arrays.backward(GRAPH, _arrays.REDUCE, x, x, stats, None, None, None, "NXC", None, 1,
+                         mean_low=np.zeros(4, F32))
     out = (sentinel(x.shape),) + tuple(sentinel((4,)) for _ in range(4))
     before = [o.copy() for o in out]
     with pytest.raises(ValueError, match=r"out\[3\] \(batch_mean\) overlaps mean_low"):

@@ -261,6 +261,27 @@ def test_opcheck(channels_last, relu):
                                    mean, var, y, 1e-5, "", None, input_grad, True))
 
 
+def test_operators_refuse_tensors_off_the_cpu_and_a_count_below_one():
+    # a 0-dim meta tensor among CPU ones sent the call to the fake implementation (outputs of
+    # empty memory); a count of 0 raised a bare ZeroDivisionError
+    x = torch.randn(4, 3, 2, 2)
+    w, b, rm, rv = torch.ones(3), torch.zeros(3), torch.zeros(3), torch.ones(3)
+    op = torch.ops.bnbw_native.batch_norm_train
+    back = torch.ops.bnbw_native.batch_norm_train_backward
+    with pytest.raises(ValueError, match=r"batches_tracked must be on x's device \(cpu\), got meta"):
+        op(x, w, b, rm, rv, 0.0, 1e-5, False, "", 1, None, torch.tensor(3, device="meta"))
+    with pytest.raises(ValueError, match="running_mean must be on x's device"):
+        op(x, w, b, rm.to("meta"), rv, 0.1, 1e-5, False, "", 1)
+    for count in (torch.tensor(0), torch.tensor(2.0), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="batches_tracked must be one integer >= 1"):
+            op(x, w, b, rm, rv, 0.0, 1e-5, False, "", 1, None, count)
+    assert torch.equal(rm, torch.zeros(3)) and torch.equal(rv, torch.ones(3))
+    y, mean, var, *_ = op(x, w, b, None, None, 0.0, 1e-5, False, "", 1)
+    with pytest.raises(ValueError, match="mean_low must be on x's device"):
+        back(torch.ones_like(x), x, w, mean, var, None, 1e-5, "", 1, True, False,
+             torch.zeros(3, device="meta"))
+
+
 def test_operator_autograd_equals_the_layer():
     # the operator's registered autograd formula (direct callers of torch.ops) gives the
     # layer's gradients bit for bit
