@@ -460,7 +460,7 @@ def test_the_tuning_module_drives_the_knobs_it_names(cache_model):
 
 
 FLOOR = 128 * 1024          # bytes a thread must read (the default thread rule)
-ROW_SHARE = 512             # bytes of a channel-last row a thread that shares rows takes
+ROW_SHARE = 4096            # bytes of a channel-last row a thread that shares rows writes
 
 
 @pytest.fixture
@@ -477,8 +477,8 @@ def thread_rule():
 def test_a_call_takes_one_thread_per_128_kib_it_reads(thread_rule, formula, arrays,
                                                      data_format, elements):
     # x (and dy) bytes // 128 KiB threads, at most those given, at least one; on both sides
-    # of each step (rows of 4 KiB: the row-share rule never binds)
-    shape = (elements // 1024, 1024) if data_format == "NXC" else (elements // 4096, 64, 64)
+    # of each step (rows of 32 KiB: the row-share rule never binds)
+    shape = (elements // 8192, 8192) if data_format == "NXC" else (elements // 4096, 64, 64)
     paid = max(1, 4 * elements * arrays // FLOOR)
     for given in (1, 2, 3, 8):
         facts = tuning.describe(np.zeros(shape, np.float32), data_format, formula=formula,
@@ -487,19 +487,69 @@ def test_a_call_takes_one_thread_per_128_kib_it_reads(thread_rule, formula, arra
 
 
 @pytest.mark.parametrize("rows, C, given, want", [
-    (1024, 64, 2, 1),       # one row block of 256-byte rows: no 512-byte shares for two
-    (1024, 128, 2, 1),      # 512-byte rows: one share
-    (512, 256, 2, 2),       # 1 KiB rows: two 512-byte shares
-    (512, 256, 3, 2),
-    (128, 1024, 8, 8),      # 4 KiB rows: eight shares
-    (128, 512, 8, 4),
-    (6272, 64, 2, 2),       # thin rows in many blocks: threads take blocks, not shares
+    (1024, 64, 2, 1),       # one row block of 256-byte rows: no page for two, nor 512 bytes
+    (512, 256, 2, 1),       # 1 KiB rows: two 512-byte shares are not twice the threads
+    (512, 256, 8, 1),
+    (128, 1024, 2, 1),      # 4 KiB rows: one page
+    (128, 1024, 3, 3),      # ... or 512-byte shares for three threads, three times one
+    (128, 1024, 4, 4),
+    (64, 2048, 2, 2),       # 8 KiB rows: two pages
+    (64, 2048, 4, 2),       # (512-byte shares for four threads: only twice two)
+    (32, 4096, 3, 3),
+    (32, 8192, 4, 4),       # 32 KiB rows: eight pages
 ])
-def test_threads_that_share_one_row_block_take_512_bytes_of_a_row(thread_rule, rows, C, given,
-                                                                   want):
-    facts = tuning.describe(np.zeros((rows, C), np.float32), "NXC", num_threads=given)
-    assert (facts["blocks"] == 1) == (rows <= 1024), facts
-    assert facts["threads"] == min(want, facts["items"]), facts
+def test_threads_that_share_one_row_block_take_a_page_of_a_row(thread_rule, rows, C, given,
+                                                               want):
+    # threads of a call of one row block write pieces of the same rows at once: a page each,
+    # or 512 bytes where that brings more than twice the threads (x is 512 KiB - 1 MiB: the
+    # thread floor never binds)
+    for formula in ("training", "forward", "frozen"):
+        facts = tuning.describe(np.zeros((rows, C), np.float32), "NXC", formula=formula,
+                                num_threads=given)
+        assert facts["blocks"] == 1, facts
+        assert facts["threads"] == min(want, facts["items"]) == want, (formula, facts)
+
+
+def test_thin_rows_in_many_blocks_go_to_threads_block_by_block(thread_rule):
+    facts = tuning.describe(np.zeros((6272, 64), np.float32), "NXC", num_threads=2)
+    assert facts["blocks"] > 2 and facts["threads"] == 2 and facts["group"] == 64, facts
+
+
+@pytest.mark.parametrize("formula", ["training", "forward"])
+@pytest.mark.parametrize("rows, C, dtype, blocks, pages", [
+    (784, 256, np.float32, 2, 1),      # a long block and a short one, 1 KiB rows: whole rows
+    (768, 256, np.float32, 2, 1),
+    (392, 512, np.float32, 2, 1),      # 2 KiB rows
+    (196, 1024, np.float16, 2, 1),     # 2 KiB rows of halves
+    (160, 1536, np.float32, 2, 1),     # 6 KiB rows: slices of a page or more
+    (1568, 256, np.float32, 4, 0),     # more blocks than threads: slices as balance needs
+    (2048, 322, np.float32, 5, 0),
+])
+def test_threads_slice_rows_thinner_than_a_page_only_where_they_meet_in_no_block(
+        thread_rule, formula, rows, C, dtype, blocks, pages):
+    # where a thread's run is shorter than a block, two threads would write the same rows at
+    # once: slices of a page at least (here: whole rows, unbalanced, unless the rows hold
+    # pages); where every run spans a block, slices as thin as balance needs.  The bits are
+    # one thread's either way.
+    x, dy = (np.random.default_rng(rows).standard_normal((rows, C)).astype(dtype)
+             for _ in range(2))
+    facts = tuning.describe(x, "NXC", formula=formula, num_threads=2)
+    assert facts["blocks"] == blocks and facts["threads"] == 2, facts
+    if pages:
+        assert facts["group"] == C or facts["group"] * x.itemsize >= 4096, facts
+    else:
+        assert facts["group"] * x.itemsize < 1024, facts
+    stat = np.ones(C, np.float32)
+    if formula == "training":
+        def call(nt):
+            return bnbw_native.batchnorm_training_backward(x, dy, stat, stat, stat,
+                                                           epsilon=1e-5, num_threads=nt)
+    else:
+        def call(nt):
+            return bnbw_native.batchnorm_training_forward(x, stat, stat, epsilon=1e-5,
+                                                          num_threads=nt)
+    for one, two in zip(call(1), call(2)):
+        np.testing.assert_array_equal(two, one)
 
 
 def test_without_the_floor_threads_share_rows_however_thinly():
