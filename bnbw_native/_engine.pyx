@@ -183,6 +183,7 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
             "from_line": bool(s.from_line),
             "group": s.group,
             "items": s.items,
+            "apply_rows": bool(s.apply_rows),
             # the split: the elements of each thread's run of items
             "thread_elements": ([int(run_elements(&p, &s, t)) for t in range(s.nthreads)]
                                 if s.kind == SCHED_LAST_SPLIT else None),

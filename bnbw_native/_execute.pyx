@@ -492,17 +492,13 @@ cdef inline void row_run(const Work *w, const int64_t *off, int64_t c_lo, int64_
 # Channel-last items
 # ---------------------------------------------------------------------------------------
 
-cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *sum_g,
-                     double *sum_xg) noexcept nogil:
-    """Row block rb, channel group grp: the block's rows in one kernel call when they share
-    one stride, else one at a time.  Sums accumulate row by row, in row order, into the
-    block's own partial arrays, which a reduce clears first (a forward's second pass reuses
-    them)."""
+cdef void last_rows(const Work *w, int64_t r0, int64_t r_end, int64_t c0, int64_t width,
+                    int what, double *sum_g, double *sum_xg) noexcept nogil:
+    """Rows [r0, r_end) of channels [c0, c0 + width): in one kernel call when they share one
+    stride, else one at a time.  Sums accumulate row by row, in row order, into sum_g[c0:]
+    and sum_xg[c0:], which a reduce clears first (a forward's second pass reuses them)."""
     cdef const Plan *p = w.p
-    cdef int64_t c0 = grp * w.s.group
-    cdef int64_t width = imin(w.s.group, p.channels - c0)
-    cdef int64_t r0 = rb * p.block, nr, t
-    cdef int64_t r_end = imin((rb + 1) * p.block, p.count)
+    cdef int64_t nr, t
     cdef int64_t off[N_BIG]
     cdef int64_t row_stride[N_BIG]
     cdef bnbw_io io
@@ -525,6 +521,15 @@ cdef void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *s
         if what & OP_DX:
             w.f.apply_rows(w, &io, nr, width, c0, NULL, NULL)
         r0 += nr
+
+
+cdef inline void last_block(const Work *w, int64_t rb, int64_t grp, int what, double *sum_g,
+                            double *sum_xg) noexcept nogil:
+    """Row block rb, channel group grp (last_rows)."""
+    cdef const Plan *p = w.p
+    cdef int64_t c0 = grp * w.s.group
+    last_rows(w, rb * p.block, imin((rb + 1) * p.block, p.count), c0,
+              imin(w.s.group, p.channels - c0), what, sum_g, sum_xg)
 
 
 # ---------------------------------------------------------------------------------------
@@ -612,9 +617,9 @@ cdef void _combine_item(const Work *w, int64_t i) noexcept nogil:
             w.f.constants(w, c, c + 1)
 
 
-cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
-    """MAJOR_SWEEP_FUSED and LAST_SLAB: reduce channel group g over every block, finish its
-    sums and coefficients, then apply them while its x and dy are still cached."""
+cdef void _group_sums_item(const Work *w, int64_t g) noexcept nogil:
+    """Reduce channel group g over every block, finish its sums and coefficients (the first
+    half of _fused_group_item; LAST_SLAB's first pass where its apply goes by rows)."""
     cdef const Plan *p = w.p
     cdef int64_t b, c
     cdef int64_t c_lo = g * w.s.group
@@ -630,8 +635,26 @@ cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
             _group_block(w, b, g, OP_REDUCE)
         _combine(w, c_lo, c_hi)
     w.f.constants(w, c_lo, c_hi)
-    for b in range(p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
+
+
+cdef void _fused_group_item(const Work *w, int64_t g) noexcept nogil:
+    """MAJOR_SWEEP_FUSED and LAST_SLAB: reduce channel group g over every block, finish its
+    sums and coefficients, then apply them while its x and dy are still cached."""
+    cdef int64_t b
+    _group_sums_item(w, g)
+    for b in range(w.p.nblocks - 1, -1, -1):     # newest blocks first: they are still cached
         _group_block(w, b, g, OP_DX)
+
+
+cdef void _rows_item(const Work *w, int64_t t) noexcept nogil:
+    """The channel-last apply by rows (the schedule's apply_rows): thread t's equal run of
+    whole rows, every channel (at most TILE a kernel call)."""
+    cdef const Plan *p = w.p
+    cdef int64_t c0 = 0, nt = w.s.nthreads
+    while c0 < p.channels:
+        last_rows(w, t * p.count // nt, (t + 1) * p.count // nt, c0,
+                  imin(TILE, p.channels - c0), OP_DX, NULL, NULL)
+        c0 += TILE
 
 
 cdef void _fused_channel_item(const Work *w, int64_t c) noexcept nogil:
@@ -772,7 +795,10 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
         # frozen statistics, or given sums: the constants are known before any pass
         w.f.constants(&w, 0, C)
 
-    if s.kind == SCHED_MAJOR_SWEEP_FUSED or s.kind == SCHED_LAST_SLAB:
+    if s.kind == SCHED_LAST_SLAB and s.apply_rows:
+        run_items(&w, _group_sums_item, s.items)
+        run_items(&w, _rows_item, s.nthreads)
+    elif s.kind == SCHED_MAJOR_SWEEP_FUSED or s.kind == SCHED_LAST_SLAB:
         run_items(&w, _fused_group_item, s.items)
     elif s.kind == SCHED_MAJOR_CHANNEL_FUSED:
         run_items(&w, _fused_channel_item, s.items)
@@ -798,7 +824,10 @@ cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char
                         _combine(&w, c, c + 1)
                         w.f.constants(&w, c, c + 1)
         if op & OP_DX and applies_after_sums(op):
-            _pass(&w, OP_DX)
+            if s.apply_rows:
+                run_items(&w, _rows_item, s.nthreads)
+            else:
+                _pass(&w, OP_DX)
     elif want_coef and op & OP_TRAINING and need_sums:
         w.f.constants(&w, 0, C)    # nothing to read (M = 0): the coefficients of empty sums
 

@@ -32,6 +32,9 @@ ctypedef struct Schedule:
     int64_t items              # work items of the first pass
     bint weighted_runs         # LAST_SPLIT: threads take runs of equal elements (first_item),
                                # else of equal item counts
+    bint apply_rows            # channel-last on several threads: the apply after the sums goes
+                               # by equal runs of whole rows, not by the items (threads writing
+                               # slices of the same rows at once slow each other down)
     int64_t partial_doubles    # the block sums it keeps (at most the plan's scratch holds)
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil

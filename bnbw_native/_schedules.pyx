@@ -45,7 +45,7 @@ cdef enum:
     LINE = 128            # bytes: channel-last slices hold whole lines (and line pairs, which
                           # the L2 prefetchers fetch together) of each row
     ITEMS_PER_THREAD = 4  # channel-major sweeps: items per thread, for balance
-    ROW_SHARE = 4096      # bytes: a page of a channel-last row (_page_slices)
+    ROW_SHARE = 4096      # bytes: a page of a channel-last row (_row_block_threads)
     THIN_SHARE = 512      # bytes: the least share of a row a thread takes (128- and 256-byte
                           # shares ran slower on two threads than one)
     FUSE_MIN = 1 << 19    # fused: a group never gets less than this (x and dy)
@@ -214,48 +214,22 @@ cdef void _fit_threads(const Plan *p, Schedule *s) noexcept nogil:
             break
 
 
-cdef double _busiest(const Plan *p, Schedule *s, int64_t width) noexcept nogil:
-    """Elements of the busiest thread's run with slices of `width` channels (s itself is left
-    as it was)."""
-    cdef Schedule trial = s[0]
-    cdef double most = 0.0
-    cdef int t
-    _slices(p, &trial, width)
-    _fit_threads(p, &trial)
-    for t in range(trial.nthreads):
-        most = max(most, run_elements(p, &trial, t))
-    return most
-
-
-cdef int _row_block_threads(const Plan *p, int nt) noexcept nogil:
-    """Threads for a call of one row block, which all write pieces of the same rows at once:
-    as many as take a page of a row each (ROW_SHARE), or - where that is fewer than half as
-    many - as take THIN_SHARE bytes each: more than twice the threads outrun what the shared
-    pages cost them (_page_slices)."""
+cdef int _row_block_threads(const Plan *p, int nt, bint slices_written) noexcept nogil:
+    """Threads for a call of one row block, which all take slices of the same rows at once:
+    each THIN_SHARE bytes of a row at least.  Where they write their slices (the frozen dx,
+    written in the pass that sums), as many as take a page each (ROW_SHARE), or the thin
+    shares where that makes more than twice as many.  Threads writing slices of one page of
+    the outputs at once drag its lines between their cores (the L2 prefetchers fetch ahead
+    within a page): measured on two threads of the Xeon model 167 guest, two calls writing
+    the two 512-byte halves of the same 1 KiB rows each ran 2.2-2.6x slower than alone, the
+    4 KiB halves of 8 KiB rows 1.25x, about what calls writing rows of their own paid
+    (1.1-1.4x; docs/benchmark-history.md, 7b).  An apply after the sums goes by runs of
+    whole rows instead (apply_rows)."""
     cdef int64_t row = p.channels * itemsize(p.big_dtype)
     cdef int64_t paged = max(row // ROW_SHARE, 1), thin = max(row // THIN_SHARE, 1)
-    if nt <= paged:
-        return nt
-    if imin(nt, thin) > 2 * paged:
+    if not slices_written or imin(nt, thin) > 2 * paged:
         return <int> imin(nt, thin)
-    return <int> paged
-
-
-cdef bint _page_slices(const Plan *p, const Schedule *s, int64_t width) noexcept nogil:
-    """Whether the split takes slices of a page at least (ROW_SHARE bytes) rather than the
-    `width` that balances.  Threads writing pieces of the same rows at the same time drag
-    the lines of their pages between their cores (the L2 prefetchers fetch ahead within a
-    page): measured on two threads of the Xeon model 167 guest, two calls writing the two
-    512-byte halves of the same 1 KiB rows each ran 2.2-2.6x slower than alone, the 4 KiB
-    halves of 8 KiB rows 1.25x, about what calls writing rows of their own paid (1.1-1.4x)
-    (docs/benchmark-history.md, 7b).  Threads meet in a row block at once only where a
-    thread's run is shorter than a block (else one finishes its share of the block before
-    the other starts it); there thinner slices must give the busiest thread less than half
-    of what it holds with pages."""
-    cdef int64_t isz = itemsize(p.big_dtype)
-    if thread_work_floor == 0 or width * isz >= ROW_SHARE or width >= imin(p.channels, TILE):
-        return False
-    return p.count < <int64_t> s.nthreads * p.block
+    return <int> imin(nt, paged)
 
 
 cdef int64_t _narrower(int64_t width, int64_t line) noexcept nogil:
@@ -265,7 +239,8 @@ cdef int64_t _narrower(int64_t width, int64_t line) noexcept nogil:
 
 cdef bint _slab(const Plan *p, Schedule *s) noexcept nogil:
     """LAST_SLAB where it reads nothing the split would not: a call of one row block, whose
-    rows the split cuts between threads alike (slabs then spare it two parallel regions), or
+    rows the split cuts between threads alike (slabs then spare it a parallel region; on
+    several threads the sums go by slices and the apply by runs of whole rows), or
     a call on one thread whose x and dy fit its L2 (one slab, applied newest block first,
     from the L2).  A slab cutting rows of several blocks between threads reads strided
     pieces where the split streams whole rows: measured up to 2x slower.  False leaves `s`
@@ -286,6 +261,10 @@ cdef bint _slab(const Plan *p, Schedule *s) noexcept nogil:
     s.group = width
     s.ngroups = (C + width - 1) // width
     s.items = s.ngroups
+    # (one row block: threads writing slices thinner than a page of its rows at once slow each
+    # other down, _row_block_threads; wider ones gain from applying their slices while they
+    # are still in their caches)
+    s.apply_rows = nt > 1 and width * isz < ROW_SHARE
     return True
 
 
@@ -294,18 +273,18 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
     by the elements they hold (first_item).  The row blocks are the plan's: the slice width
     never changes a sum (each channel is one lane of the kernels)."""
     cdef int64_t C = p.channels, isz = itemsize(p.big_dtype)
-    cdef int64_t line = LINE // isz, width, paged
+    cdef int64_t line = LINE // isz, width
     cdef bint sums = (op & OP_REDUCE) != 0
     s.partial_doubles = p.partial_stride * p.nblocks if sums else 0
     s.kind = SCHED_LAST_SPLIT
     # (Off with the floor: tests reach every team on small inputs.)
     if thread_work_floor > 0 and p.nblocks == 1:
-        s.nthreads = _row_block_threads(p, s.nthreads)
+        s.nthreads = _row_block_threads(p, s.nthreads,
+                                        op & OP_DX and not applies_after_sums(op))
     if sums and op & OP_DX and applies_after_sums(op) and _slab(p, s):
         return
     # Whole rows where the threads' runs of blocks balance; else slices of whole lines, as
-    # wide as balance them (a short last block weighs what it holds), unless pages are worth
-    # more (_page_slices)
+    # wide as balance them (a short last block weighs what it holds)
     s.weighted_runs = True
     width = imin(C, TILE)
     while True:
@@ -313,17 +292,11 @@ cdef void _choose_last(const Plan *p, int op, Schedule *s) noexcept nogil:
         if s.nthreads <= 1 or width <= line or _balanced_work(p, s):
             break
         width = _narrower(width, line)
-    if _page_slices(p, s, width):
-        paged = imin(C, TILE)
-        while True:
-            _slices(p, s, paged)
-            if _balanced_work(p, s) or _narrower(paged, line) * isz < ROW_SHARE:
-                break
-            paged = _narrower(paged, line)
-        if not 2 * _busiest(p, s, width) < _busiest(p, s, paged):
-            width = paged
-    _slices(p, s, width)
     _fit_threads(p, s)
+    # An apply after the sums goes by runs of whole rows where the items' runs would cut rows
+    # between threads (slices thinner than a row) or leave them unequal
+    s.apply_rows = (s.nthreads > 1 and op & OP_DX and applies_after_sums(op)
+                    and (width < C or not _balanced_work(p, s)))
 
 
 cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noexcept nogil:
@@ -342,6 +315,7 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
     s.ngroups = 0
     s.items = 0
     s.weighted_runs = False
+    s.apply_rows = False
     s.partial_doubles = 0
     if p.empty or not (sums or dx):
         s.kind = SCHED_NOTHING

@@ -460,7 +460,6 @@ def test_the_tuning_module_drives_the_knobs_it_names(cache_model):
 
 
 FLOOR = 128 * 1024          # bytes a thread must read (the default thread rule)
-ROW_SHARE = 4096            # bytes of a channel-last row a thread that shares rows writes
 
 
 @pytest.fixture
@@ -486,28 +485,33 @@ def test_a_call_takes_one_thread_per_128_kib_it_reads(thread_rule, formula, arra
         assert facts["threads"] == min(given, paid, facts["items"]), (given, facts)
 
 
-@pytest.mark.parametrize("rows, C, given, want", [
-    (1024, 64, 2, 1),       # one row block of 256-byte rows: no page for two, nor 512 bytes
-    (512, 256, 2, 1),       # 1 KiB rows: two 512-byte shares are not twice the threads
-    (512, 256, 8, 1),
-    (128, 1024, 2, 1),      # 4 KiB rows: one page
-    (128, 1024, 3, 3),      # ... or 512-byte shares for three threads, three times one
-    (128, 1024, 4, 4),
-    (64, 2048, 2, 2),       # 8 KiB rows: two pages
-    (64, 2048, 4, 2),       # (512-byte shares for four threads: only twice two)
-    (32, 4096, 3, 3),
-    (32, 8192, 4, 4),       # 32 KiB rows: eight pages
+@pytest.mark.parametrize("rows, C, given, thin, paged", [
+    (1024, 64, 2, 1, 1),       # one row block of 256-byte rows: no 512 bytes for two
+    (1024, 128, 2, 1, 1),      # 512-byte rows: one share
+    (512, 256, 2, 2, 1),       # 1 KiB rows: two 512-byte shares, no page for two
+    (512, 256, 3, 2, 1),
+    (128, 1024, 2, 2, 1),      # 4 KiB rows: one page
+    (128, 1024, 3, 3, 3),      # ... 512 bytes for three: more than twice as many threads
+    (128, 1024, 4, 4, 4),
+    (64, 2048, 2, 2, 2),       # 8 KiB rows: two pages
+    (64, 2048, 4, 4, 2),       # (512 bytes for four threads: only twice two)
+    (32, 8192, 4, 4, 4),       # 32 KiB rows: eight pages
 ])
-def test_threads_that_share_one_row_block_take_a_page_of_a_row(thread_rule, rows, C, given,
-                                                               want):
-    # threads of a call of one row block write pieces of the same rows at once: a page each,
-    # or 512 bytes where that brings more than twice the threads (x is 512 KiB - 1 MiB: the
-    # thread floor never binds)
+def test_threads_that_share_one_row_block_take_512_bytes_or_a_page_of_a_row(
+        thread_rule, rows, C, given, thin, paged):
+    # The threads of a call of one row block take slices of the same rows: 512 bytes each at
+    # least; the training and forward calls apply by runs of whole rows where the slices are
+    # thinner than a page, and the frozen dx - written in its slices, in the pass that sums -
+    # gives each thread a page, or 512 bytes where that brings more than twice the threads.
+    # (x is 128 KiB - 1 MiB: the thread floor never binds.)
     for formula in ("training", "forward", "frozen"):
         facts = tuning.describe(np.zeros((rows, C), np.float32), "NXC", formula=formula,
                                 num_threads=given)
+        want = paged if formula == "frozen" else thin
         assert facts["blocks"] == 1, facts
         assert facts["threads"] == min(want, facts["items"]) == want, (formula, facts)
+        if formula != "frozen":
+            assert facts["apply_rows"] == (want > 1 and facts["group"] * 4 < 4096), facts
 
 
 def test_thin_rows_in_many_blocks_go_to_threads_block_by_block(thread_rule):
@@ -516,29 +520,27 @@ def test_thin_rows_in_many_blocks_go_to_threads_block_by_block(thread_rule):
 
 
 @pytest.mark.parametrize("formula", ["training", "forward"])
-@pytest.mark.parametrize("rows, C, dtype, blocks, pages", [
-    (784, 256, np.float32, 2, 1),      # a long block and a short one, 1 KiB rows: whole rows
-    (768, 256, np.float32, 2, 1),
-    (392, 512, np.float32, 2, 1),      # 2 KiB rows
-    (196, 1024, np.float16, 2, 1),     # 2 KiB rows of halves
-    (160, 1536, np.float32, 2, 1),     # 6 KiB rows: slices of a page or more
-    (1568, 256, np.float32, 4, 0),     # more blocks than threads: slices as balance needs
-    (2048, 322, np.float32, 5, 0),
+@pytest.mark.parametrize("rows, C, dtype, blocks, by_rows", [
+    (784, 256, np.float32, 2, True),      # a long block and a short one: slices balance
+    (768, 256, np.float32, 2, True),
+    (392, 512, np.float32, 2, True),
+    (196, 1024, np.float16, 2, True),
+    (1568, 256, np.float32, 4, True),
+    (2048, 322, np.float32, 5, True),
+    (2450, 160, np.float32, 3, True),
+    (6272, 256, np.float32, 13, False),   # whole rows balance: the apply goes by the items
+    (784, 2048, np.float32, 7, False),
 ])
-def test_threads_slice_rows_thinner_than_a_page_only_where_they_meet_in_no_block(
-        thread_rule, formula, rows, C, dtype, blocks, pages):
-    # where a thread's run is shorter than a block, two threads would write the same rows at
-    # once: slices of a page at least (here: whole rows, unbalanced, unless the rows hold
-    # pages); where every run spans a block, slices as thin as balance needs.  The bits are
-    # one thread's either way.
+def test_the_apply_goes_by_whole_rows_where_the_items_runs_share_rows(
+        thread_rule, formula, rows, C, dtype, blocks, by_rows):
+    # Where the threads' runs of items cut rows between them (slices) or are unequal, the
+    # apply after the sums goes by equal runs of whole rows (threads writing slices of the
+    # same rows at once slow each other down); the bits are one thread's either way
     x, dy = (np.random.default_rng(rows).standard_normal((rows, C)).astype(dtype)
              for _ in range(2))
     facts = tuning.describe(x, "NXC", formula=formula, num_threads=2)
     assert facts["blocks"] == blocks and facts["threads"] == 2, facts
-    if pages:
-        assert facts["group"] == C or facts["group"] * x.itemsize >= 4096, facts
-    else:
-        assert facts["group"] * x.itemsize < 1024, facts
+    assert facts["apply_rows"] == by_rows, facts
     stat = np.ones(C, np.float32)
     if formula == "training":
         def call(nt):
