@@ -105,7 +105,10 @@ def _narrow(func, kind, a, out, num_threads, out_dtypes):
         _half.store(kind, src, _flat(result), num_threads=threads)
         return result
     target = out.view(np.ndarray)
-    if target.ndim <= 1 or target.flags.c_contiguous:
+    # (an out whose elements share memory - a 0 stride - is written in order, as NumPy writes
+    # it: threads writing one element at once would leave any of their values)
+    if target.flags.c_contiguous or (target.ndim == 1
+                                     and abs(target.strides[0]) >= target.itemsize):
         _half.store(kind, src, _flat(target), num_threads=threads)
     else:
         tmp = np.empty(arr.shape, out.dtype)

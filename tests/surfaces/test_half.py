@@ -537,6 +537,22 @@ def test_bfloat16_out_accepts_both_dtypes(out_dtype):
     np.testing.assert_array_equal(bits(out), bits(ref_bf16(x)))
 
 
+@pytest.mark.parametrize("fn", fn_params())
+def test_an_out_whose_elements_share_memory_is_written_in_order(fn):
+    # a writable out of stride 0 (every element one place): the last value, as NumPy's own
+    # copies leave it, on any number of threads - not whichever thread wrote last (here a
+    # short last piece, done while another thread still writes)
+    src = fn.source(((1 << 17) + 1,), np.random.default_rng(SEED))
+    want = bits(fn.ref(src))[-1]
+    for threads in (1, 2, 4):
+        for _ in range(3):
+            cell = np.zeros(1, fn.out_dtype())
+            out = np.lib.stride_tricks.as_strided(cell, shape=src.shape, strides=(0,),
+                                                  writeable=True)
+            assert fn.func(src, out=out, num_threads=threads) is out
+            assert bits(cell)[0] == want, threads
+
+
 def test_out_shares_memory_with_result():
     x = np.linspace(-2, 2, 50, dtype=np.float32)
     out = np.empty(50, np.float16)
