@@ -147,6 +147,17 @@ cdef str _lazy_bit(obj):
 
 # ---- what the array calls use ----
 
+class TooLarge(ValueError):
+    """An array too large for NumPy to view (a torch tensor expanded past the address space):
+    the right kind of object with a wrong size."""
+
+
+def _refuse_too_big(exc, name):
+    """... except an array too large for NumPy to view (TooLarge)."""
+    if isinstance(exc, ValueError) and "too big" in str(exc):
+        raise TooLarge(f"{name} is too large: {exc}") from exc
+
+
 def as_array(obj, name):
     """An ndarray viewing `obj` (ndarray, DLPack producer, buffer or array interface), without
     a copy where NumPy can avoid one; TypeError naming `name` for anything that is not an
@@ -164,7 +175,8 @@ def as_array(obj, name):
         arr = np.asarray(obj)
     except _NeedsMlDtypes:
         raise
-    except Exception as exc:  # any failure to view the object is a wrong kind of object
+    except Exception as exc:  # any failure to view the object is a wrong kind of object...
+        _refuse_too_big(exc, name)
         raise TypeError(f"{name} must be an array (NumPy, buffer or DLPack), "
                         f"got {type(obj).__name__} ({exc})") from exc
     if arr.dtype == object:
@@ -188,6 +200,7 @@ def output_array(obj, label):
     except _NeedsMlDtypes:
         raise
     except Exception as exc:  # requires grad, a read-only legacy capsule, GPU
+        _refuse_too_big(exc, label)
         if "readonly" in str(exc).replace("-", "").replace(" ", "").lower():
             raise ValueError(f"{label} is read-only; outputs must be writable") from exc
         raise TypeError(f"{label} must be a writable CPU array; its DLPack export "

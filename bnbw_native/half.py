@@ -17,7 +17,7 @@ Why it is shaped this way:
 import numpy as np
 
 from . import _half, _rules
-from ._dlpack import as_array
+from ._dlpack import TooLarge, as_array
 
 try:
     import ml_dtypes
@@ -48,8 +48,10 @@ def _source(func, a, dtypes, hint=""):
     """`a` as an ndarray holding one of `dtypes` (in either byte order), without copying; a
     DLPack producer (a torch tensor, bfloat16 too) through the engine's calls' door."""
     try:
-        arr = (as_array(a, "a") if hasattr(a, "__dlpack__") and not isinstance(a, np.ndarray)
-               else np.asarray(a))
+        arr = (as_array(a, f"{func}(): argument 'a'")
+               if hasattr(a, "__dlpack__") and not isinstance(a, np.ndarray) else np.asarray(a))
+    except TooLarge:
+        raise
     except Exception as exc:
         raise TypeError(f"{func}(): argument 'a' must be an array-like of {_names(dtypes)}, "
                         f"got {type(a).__name__} that NumPy cannot convert ({exc})") from exc
