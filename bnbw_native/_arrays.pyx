@@ -116,16 +116,16 @@ def register_tensor_types(types, dtypes, strided):
     _strided = strided
 
 
-cdef bint _fill_tensor(Arg *a, t, bint memory=False) except -1:
+cdef bint _fill_tensor(Arg *a, t) except -1:
     """a describes a plain CPU tensor's memory (of a registered type and dtype, strided, its
-    memory its values - or, when `memory`, whatever its memory holds); False, a untouched,
-    for anything else, which then goes through NumPy."""
+    memory its values); False, a untouched, for anything else, which then goes through
+    NumPy."""
     cdef int d, code, size
     if type(t) not in _tensor_types:
         return False
     entry = _tensor_dtypes.get(t.dtype)
     # (the dtypes registered are real: torch sets the conjugate bit on complex tensors only)
-    if entry is None or not t.is_cpu or t.layout is not _strided or (t.is_neg() and not memory):
+    if entry is None or not t.is_cpu or t.layout is not _strided or t.is_neg():
         return False
     shape = t.shape
     strides = t.stride()
@@ -144,6 +144,28 @@ cdef bint _fill_tensor(Arg *a, t, bint memory=False) except -1:
     strncpy(a.type_name, <bytes> name, 39)
     a.type_name[39] = 0
     return True
+
+
+cdef bint _memory_not_values(obj) except -1:
+    """A tensor (of any registered type or none) with the negative or conjugate bit: its
+    memory holds -x or conj(x), so it is read through a copy of its values."""
+    is_neg, is_conj = getattr(obj, "is_neg", None), getattr(obj, "is_conj", None)
+    return is_neg is not None and is_conj is not None and (is_neg() or is_conj())
+
+
+cdef void _fill_memory(Arg *a, t) except *:
+    """a describes the memory of `t`, a tensor read through a copy (_memory_not_values): its
+    address, sizes and strides, for keeping outputs apart from it."""
+    cdef int d
+    shape = tuple(t.shape)
+    strides = t.stride()
+    size = t.element_size()
+    a.present = len(shape) <= ARG_DIMS     # (more dims: the call is refused by its rank)
+    a.ndim = len(shape) if a.present else 0
+    a.data = <char *> <uintptr_t> <uint64_t> t.data_ptr()
+    for d in range(a.ndim):
+        a.shape[d] = shape[d]
+        a.strides[d] = strides[d] * size
 
 
 cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep,
@@ -166,6 +188,8 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
     if cnp.PyArray_Check(obj):
         arr = <cnp.ndarray> obj
     else:
+        if copied is not None and _memory_not_values(obj):   # (as_array reads a copy)
+            copied.append((role, obj))
         arr = as_array(obj, conv.rules.names[role].decode())
         keep.append(arr)
     if not (cnp.PyArray_ISNOTSWAPPED(arr) and cnp.PyArray_ISALIGNED(arr)):
@@ -229,7 +253,9 @@ cdef void _check_copied_inputs(const Rules *r, const Arg *a, int op, list copied
         if cnp.PyArray_Check(original):
             _fill(&caller, <cnp.ndarray> original)
         else:                       # a tensor whose memory holds -x: that memory
-            _fill_tensor(&caller, original, True)
+            _fill_memory(&caller, original)
+            if not caller.present:
+                continue
         caller.dtype = a[role].dtype          # the copy's type: the same item size, native
         rc = check_apart_from_caller(r, a, op, role, &caller, msg, MESSAGE_CAP)
         if rc != BNBW_OK:

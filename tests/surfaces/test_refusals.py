@@ -714,6 +714,10 @@ DLPACK_CASES = {
                                                       + k["out"][1:]), TypeError, r"out\[0\]"),
     "out-expanded": (lambda k, t: k.update(out=(t.zeros((5, 4, 7)).expand((6, 5, 4, 7)),)
                                            + k["out"][1:]), ValueError, r"out\[0\]"),
+    # a negated view is read through a copy: an output over its memory overlaps it all the same
+    "out-over-a-negative-bit-input": (
+        lambda k, t: k.update(src=t._neg_view(k["out"][0])), ValueError,
+        r"out\[0\] \(diff_src\) overlaps the input src"),
     # more elements than NumPy can view: a size that is wrong, not a wrong kind of object
     "input-expanded-past-numpy": (lambda k, t: k.update(src=t.zeros((1, 5, 4, 7)).expand(
         (2 ** 55, 5, 4, 7))), ValueError, r"src is too large"),
