@@ -168,7 +168,11 @@ def as_array(obj, name):
     if obj is None or isinstance(obj, (str, bytes, numbers.Number)):
         raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
     if _lazy_bit(obj) is not None:
-        obj = obj.resolve_conj().resolve_neg()
+        try:
+            obj = obj.resolve_conj().resolve_neg()
+        except RuntimeError as exc:   # torch cannot make the copy: no memory for its size
+            raise TooLarge(f"{name} is too large to copy (its memory holds -x or conj(x), so "
+                           f"its values are read through a copy): {exc}") from exc
     try:
         if hasattr(obj, "__dlpack__"):
             return _from_dlpack(obj, name)

@@ -721,6 +721,10 @@ DLPACK_CASES = {
     # more elements than NumPy can view: a size that is wrong, not a wrong kind of object
     "input-expanded-past-numpy": (lambda k, t: k.update(src=t.zeros((1, 5, 4, 7)).expand(
         (2 ** 55, 5, 4, 7))), ValueError, r"src is too large"),
+    # ... and so is one whose values would be copied (a negated view) into more than memory
+    "negative-bit-input-expanded-past-numpy": (
+        lambda k, t: k.update(src=t._neg_view(t.zeros((1, 5, 4, 7))).expand(
+            (2 ** 55, 5, 4, 7))), ValueError, r"src is too large"),
 }
 
 
