@@ -609,13 +609,13 @@ BNBW_INLINE void k__spread(const float *c, int s, float out[16])
         out[l] = c[l >> s];
 }
 
-/* Each group of 2^s lanes folded into its first, vd_fold's pairwise steps within the group. */
-BNBW_INLINE void k__fold_groups(double a[16], int s)
+/* Each group of 2^s lanes folded into its first, vd_fold's pairwise steps within the group
+ * (lane l + lane l ^ w adds the same two terms as lane l + lane l + w where it matters). */
+BNBW_INLINE vd k__fold_groups(vd a, int s)
 {
     for (int w = (1 << s) >> 1; w > 0; w >>= 1)
-        for (int g = 0; g < 16; g += 1 << s)
-            for (int l = 0; l < w; ++l)
-                a[g + l] += a[g + l + w];
+        a = vd_add_partners(a, w);
+    return a;
 }
 
 /* Adds the packed rows' sums A, B, each row's lanes folded, to their rows' sums (a row of
@@ -628,10 +628,8 @@ BNBW_INLINE void k__add_groups(vd A, vd B, int s, double *sums, int64_t sums_ste
         sums[1] += vd_fold(B);
         return;
     }
-    vd_storeu(a, A);
-    vd_storeu(b, B);
-    k__fold_groups(a, s);
-    k__fold_groups(b, s);
+    vd_storeu(a, k__fold_groups(A, s));
+    vd_storeu(b, k__fold_groups(B, s));
     for (int g = 0; g < 16 >> s; ++g) {
         sums[g * sums_step] += a[g << s];
         sums[g * sums_step + 1] += b[g << s];

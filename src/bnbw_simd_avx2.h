@@ -157,6 +157,19 @@ BNBW_INLINE double vd_fold(vd a)
     __m128d q = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
     return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
 }
+/* lane l: a[l] + a[l ^ w] (w = 1, 2 or 4), the step of vd_fold within groups of 2w lanes */
+BNBW_INLINE vd vd_add_partners(vd a, int w)
+{
+    if (w == 1)
+        return vd_add(a, v__vd(_mm256_permute_pd(a.a, 0x5), _mm256_permute_pd(a.b, 0x5),
+                               _mm256_permute_pd(a.c, 0x5), _mm256_permute_pd(a.d, 0x5)));
+    if (w == 2)
+        return vd_add(a, v__vd(_mm256_permute2f128_pd(a.a, a.a, 0x01),
+                               _mm256_permute2f128_pd(a.b, a.b, 0x01),
+                               _mm256_permute2f128_pd(a.c, a.c, 0x01),
+                               _mm256_permute2f128_pd(a.d, a.d, 0x01)));
+    return vd_add(a, v__vd(a.b, a.a, a.d, a.c));
+}
 
 /* vw: 16 f32 lanes as four 128-bit quarters, each widened by one conversion (no extract:
  * the exact sums were bound by the shuffle port that the extracts share with them). */

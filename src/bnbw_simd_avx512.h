@@ -88,6 +88,17 @@ BNBW_INLINE double vd_fold(vd a)
     __m128d h = _mm_add_pd(_mm256_castpd256_pd128(q), _mm256_extractf128_pd(q, 1));
     return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
 }
+/* lane l: a[l] + a[l ^ w] (w = 1, 2 or 4), the step of vd_fold within groups of 2w lanes */
+BNBW_INLINE vd vd_add_partners(vd a, int w)
+{
+    if (w == 1)
+        return vd_add(a, v__vd(_mm512_permute_pd(a.lo, 0x55), _mm512_permute_pd(a.hi, 0x55)));
+    if (w == 2)
+        return vd_add(a, v__vd(_mm512_permutex_pd(a.lo, _MM_SHUFFLE(1, 0, 3, 2)),
+                               _mm512_permutex_pd(a.hi, _MM_SHUFFLE(1, 0, 3, 2))));
+    return vd_add(a, v__vd(_mm512_shuffle_f64x2(a.lo, a.lo, _MM_SHUFFLE(1, 0, 3, 2)),
+                           _mm512_shuffle_f64x2(a.hi, a.hi, _MM_SHUFFLE(1, 0, 3, 2))));
+}
 
 /* vw: 16 f32 lanes as two 256-bit halves, each widened by one conversion (no extract). */
 typedef struct { __m256 lo, hi; } vw;

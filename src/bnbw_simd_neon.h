@@ -158,6 +158,14 @@ BNBW_INLINE double vd_fold(vd a)
     s1 = vaddq_f64(s1, s3);
     return vpaddd_f64(vaddq_f64(s0, s1));
 }
+/* lane l: a[l] + a[l ^ w] (w = 1, 2 or 4), the step of vd_fold within groups of 2w lanes */
+BNBW_INLINE vd vd_add_partners(vd a, int w)
+{
+    vd r;
+    V__D(j) r.d[j] = vaddq_f64(a.d[j], w == 1 ? vextq_f64(a.d[j], a.d[j], 1)
+                                              : a.d[j ^ (w >> 1)]);
+    return r;
+}
 
 /* vw: FCVTL and FCVTL2 widen the two halves of a q register in place: a vf as it is. */
 typedef vf vw;

@@ -354,6 +354,20 @@ BNBW_INLINE double vd_fold(vd a)
     a.p[0] += a.p[1];
     return a.p[0][0] + a.p[0][1];
 }
+/* lane l: a[l] + a[l ^ w] (w = 1, 2 or 4), the step of vd_fold within groups of 2w lanes */
+BNBW_INLINE vd vd_add_partners(vd a, int w)
+{
+    vd r;
+    V__P(k) {
+        v__d2 b = a.p[k ^ (w >> 1)];
+        if (w == 1) {
+            b[0] = a.p[k][1];
+            b[1] = a.p[k][0];
+        }
+        r.p[k] = a.p[k] + b;
+    }
+    return r;
+}
 
 /* ---- halves ------------------------------------------------------------------------------ */
 
@@ -788,6 +802,13 @@ BNBW_INLINE double vd_fold(vd a)
         for (int l = 0; l < w; ++l)
             a.v[l] += a.v[l + w];
     return a.v[0];
+}
+/* lane l: a[l] + a[l ^ w] (w = 1, 2 or 4), the step of vd_fold within groups of 2w lanes */
+BNBW_INLINE vd vd_add_partners(vd a, int w)
+{
+    vd r;
+    BNBW__LANES(l) r.v[l] = a.v[l] + a.v[l ^ w];
+    return r;
 }
 
 /* vw: the same values as vf, in registers each body widens without shuffles. */
