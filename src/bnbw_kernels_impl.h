@@ -602,12 +602,31 @@ BNBW_INLINE int k__packs(const bnbw_io *io, const bnbw_run *run, int64_t n, int 
     ((S) == 1 ? FN(1, __VA_ARGS__) : (S) == 2 ? FN(2, __VA_ARGS__)                          \
      : (S) == 3 ? FN(3, __VA_ARGS__) : (S) == 4 ? FN(4, __VA_ARGS__) : 0)
 
-/* Lane l: c[l >> s] (the constant of the row lane l belongs to). */
-BNBW_INLINE void k__spread(const float *c, int s, float out[16])
+/* Lane l: c[l >> s] (the constant of the row lane l belongs to), by the layer's permutes
+ * where it has them: lanes stored one group at a time and read back as one vector stall the
+ * load (no store forwarding across stores). */
+#if BNBW_SIMD_SPREAD
+#define k__spread vf_spread
+#define k__spread_w vw_spread
+#else
+BNBW_INLINE void k__spread_to(const float *c, int s, float out[16])
 {
     for (int l = 0; l < 16; ++l)
         out[l] = c[l >> s];
 }
+BNBW_INLINE vf k__spread(const float *c, int s)
+{
+    float a[16];
+    k__spread_to(c, s, a);
+    return vf_loadu(a);
+}
+BNBW_INLINE vw k__spread_w(const float *c, int s)
+{
+    float a[16];
+    k__spread_to(c, s, a);
+    return vw_loadu(a);
+}
+#endif
 
 /* Each group of 2^s lanes folded into its first, vd_fold's pairwise steps within the group
  * (lane l + lane l ^ w adds the same two terms as lane l + lane l + w where it matters). */
@@ -644,11 +663,9 @@ BNBW_INLINE int64_t k__reduce_packed(int s, const bnbw_io *io, const bnbw_run *r
     const int per = 16 >> s;
     int64_t r = 0;
     for (; r + per <= run->count; r += per) {
-        float m[16];
-        k__spread(mean + r, s, m);
         vd G = vd_zero(), P = vd_zero();
         K__ACCUMULATE_W(G, P, k__gw(io, r << s, 1, 1, dt, mdt),
-                        vw_sub(vw_load(io->x, r << s, 1, dt), vw_loadu(m)));
+                        vw_sub(vw_load(io->x, r << s, 1, dt), k__spread_w(mean + r, s)));
         k__add_groups(G, P, s, sums + r * sums_step, sums_step);
     }
     return r;
@@ -661,16 +678,11 @@ BNBW_INLINE int64_t k__apply_packed(int s, const bnbw_io *io, const bnbw_run *ru
     const int per = 16 >> s;
     int64_t r = 0;
     for (; r + per <= run->count; r += per) {
-        float m[16], a[16], b[16], c[16];
         const int64_t i = r << s;
-        k__spread(mean + r, s, m);
-        k__spread(k1 + r, s, a);
-        k__spread(k2 + r, s, b);
-        k__spread(k3 + r, s, c);
         vf x = v_load(io->x, i, 1, dt, 0), g = k__g(io, i, 1, 1, dt, mdt, 0);
         k__residual(io, i, 16, 1, 1, 1, dt, mdt);
-        v_store(io->dx, i, 1, k__apply(x, g, vf_loadu(m), vf_loadu(a), vf_loadu(b),
-                                       vf_loadu(c)), dt, 0);
+        v_store(io->dx, i, 1, k__apply(x, g, k__spread(mean + r, s), k__spread(k1 + r, s),
+                                       k__spread(k2 + r, s), k__spread(k3 + r, s)), dt, 0);
     }
     return r;
 }
@@ -681,12 +693,10 @@ BNBW_INLINE int64_t k__scale_packed(int s, const bnbw_io *io, const bnbw_run *ru
     const int per = 16 >> s;
     int64_t r = 0;
     for (; r + per <= run->count; r += per) {
-        float a[16];
         const int64_t i = r << s;
-        k__spread(k1 + r, s, a);
         vf g = k__g(io, i, 1, 1, dt, mdt, 0);
         k__residual(io, i, 16, 1, 1, 1, dt, mdt);
-        v_store(io->dx, i, 1, vf_mul(vf_loadu(a), g), dt, 0);
+        v_store(io->dx, i, 1, vf_mul(k__spread(k1 + r, s), g), dt, 0);
     }
     return r;
 }
@@ -912,10 +922,8 @@ BNBW_INLINE int64_t k__stats_packed(int s, const bnbw_io *io, const bnbw_run *ru
     const int per = 16 >> s;
     int64_t r = 0;
     for (; r + per <= run->count; r += per) {
-        float h[16];
-        k__spread(shift + r, s, h);
         vd S = vd_zero(), Q = vd_zero();
-        K__STATS(S, Q, vw_load(io->x, r << s, 1, dt), vd_widen(vw_loadu(h)));
+        K__STATS(S, Q, vw_load(io->x, r << s, 1, dt), vd_widen(k__spread_w(shift + r, s)));
         k__add_groups(S, Q, s, sums + r * sums_step, sums_step);
     }
     return r;
@@ -928,13 +936,9 @@ BNBW_INLINE int64_t k__normalize_packed(int s, const bnbw_io *io, const bnbw_run
     const int per = 16 >> s, add = relu == BNBW_ADD_RELU;
     int64_t r = 0;
     for (; r + per <= run->count; r += per) {
-        float m[16], kk[16], bb[16];
         const int64_t i = r << s;
-        k__spread(mean + r, s, m);
-        k__spread(k + r, s, kk);
-        k__spread(b + r, s, bb);
-        vf y = k__normalize(v_load(io->x, i, 1, dt, 0), vf_loadu(m), vf_loadu(kk),
-                            vf_loadu(bb), relu && !add);
+        vf y = k__normalize(v_load(io->x, i, 1, dt, 0), k__spread(mean + r, s),
+                            k__spread(k + r, s), k__spread(b + r, s), relu && !add);
         if (add)
             y = k__add_relu(k__rounded(y, dt, 0), v_load(io->dy, i, 1, dt, 0));
         v_store(io->dx, i, 1, y, dt, 0);

@@ -18,6 +18,7 @@
 #define BNBW_SIMD_BODY BNBW_BODY_AVX2
 /* Contiguous bf16 rows load cheapest as even and odd elements (a shift and a mask of one load,
  * no widening shuffle), so the elementwise kernels take them in that order. */
+#define BNBW_SIMD_SPREAD 1     /* vf_spread, vw_spread */
 #define BNBW_SIMD_BF16_EVEN_ODD 1
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
@@ -177,6 +178,32 @@ typedef struct { __m128 q[4]; } vw;
 #define V__QUARTERS(k) for (int k = 0; k < 4; ++k)
 BNBW_INLINE vw vw_set1(float a) { vw r; V__QUARTERS(k) r.q[k] = _mm_set1_ps(a); return r; }
 BNBW_INLINE vw vw_loadu(const float *p) { vw r; V__QUARTERS(k) r.q[k] = _mm_loadu_ps(p + 4 * k); return r; }
+/* lane l: c[l >> s] (s = 1 to 4), reading c[0 .. 16 >> s) only */
+BNBW_INLINE vf vf_spread(const float *c, int s)
+{
+    if (s >= 3)             /* one constant a half: broadcasts, no shuffle */
+        return v__vf(_mm256_set1_ps(c[0]), _mm256_set1_ps(c[s == 3]));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i shift = _mm256_set1_epi32(s);
+    __m256 v = _mm256_maskload_ps(c, _mm256_cmpgt_epi32(_mm256_set1_epi32(16 >> s), lane));
+    return v__vf(_mm256_permutevar8x32_ps(v, _mm256_srlv_epi32(lane, shift)),
+                 _mm256_permutevar8x32_ps(v, _mm256_srlv_epi32(
+                     _mm256_add_epi32(lane, _mm256_set1_epi32(8)), shift)));
+}
+BNBW_INLINE vw vw_spread(const float *c, int s)
+{
+    vw r;
+    if (s >= 2) {           /* one constant a quarter */
+        V__QUARTERS(k) r.q[k] = _mm_set1_ps(c[k >> (s - 2)]);
+        return r;
+    }
+    vf v = vf_spread(c, s);
+    r.q[0] = _mm256_castps256_ps128(v.lo);
+    r.q[1] = _mm256_extractf128_ps(v.lo, 1);
+    r.q[2] = _mm256_castps256_ps128(v.hi);
+    r.q[3] = _mm256_extractf128_ps(v.hi, 1);
+    return r;
+}
 BNBW_INLINE vw vw_sub(vw a, vw b) { V__QUARTERS(k) a.q[k] = _mm_sub_ps(a.q[k], b.q[k]); return a; }
 /* the lanes of a vm as 4 quarter masks */
 BNBW_INLINE void v__quarter_masks(vm m, __m128 q[4])

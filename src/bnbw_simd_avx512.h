@@ -20,6 +20,7 @@
 
 #define BNBW_SIMD_BODY BNBW_BODY_AVX512
 /* Any lane order costs one permutation here: the elementwise kernels keep element order. */
+#define BNBW_SIMD_SPREAD 1     /* vf_spread, vw_spread */
 #define BNBW_SIMD_BF16_EVEN_ODD 0
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
@@ -103,6 +104,23 @@ BNBW_INLINE vd vd_add_partners(vd a, int w)
 /* vw: 16 f32 lanes as two 256-bit halves, each widened by one conversion (no extract). */
 typedef struct { __m256 lo, hi; } vw;
 BNBW_INLINE vw v__vw(__m256 lo, __m256 hi) { vw r = {lo, hi}; return r; }
+/* lane l: c[l >> s] (s = 1 to 4), reading c[0 .. 16 >> s) only */
+BNBW_INLINE vf vf_spread(const float *c, int s)
+{
+    if (s >= 3)             /* one constant a half: broadcasts, no shuffle */
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(c[0])),
+                                  _mm256_set1_ps(c[s == 3]), 1);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (16 >> s)) - 1), c);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(lane, _mm512_set1_epi32(s)), v);
+}
+BNBW_INLINE vw vw_spread(const float *c, int s)
+{
+    if (s >= 3)
+        return v__vw(_mm256_set1_ps(c[0]), _mm256_set1_ps(c[s == 3]));
+    vf v = vf_spread(c, s);
+    return v__vw(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
 BNBW_INLINE vw vw_set1(float a) { return v__vw(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
 BNBW_INLINE vw vw_loadu(const float *p) { return v__vw(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
 BNBW_INLINE vw vw_sub(vw a, vw b) { return v__vw(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
