@@ -605,7 +605,7 @@ BNBW_INLINE int k__packs(const bnbw_io *io, const bnbw_run *run, int64_t n, int 
 /* Lane l: c[l >> s] (the constant of the row lane l belongs to), by the layer's permutes
  * where it has them: lanes stored one group at a time and read back as one vector stall the
  * load (no store forwarding across stores). */
-#if BNBW_SIMD_SPREAD
+#if BNBW_SIMD_PACKED_ROWS
 #define k__spread vf_spread
 #define k__spread_w vw_spread
 #else
@@ -647,8 +647,16 @@ BNBW_INLINE void k__add_groups(vd A, vd B, int s, double *sums, int64_t sums_ste
         sums[1] += vd_fold(B);
         return;
     }
-    vd_storeu(a, k__fold_groups(A, s));
-    vd_storeu(b, k__fold_groups(B, s));
+    A = k__fold_groups(A, s);
+    B = k__fold_groups(B, s);
+#if BNBW_SIMD_PACKED_ROWS
+    if (s <= 2 && sums_step == 2) {
+        vd_add_group_sums(A, B, s, sums);
+        return;
+    }
+#endif
+    vd_storeu(a, A);
+    vd_storeu(b, B);
     for (int g = 0; g < 16 >> s; ++g) {
         sums[g * sums_step] += a[g << s];
         sums[g * sums_step + 1] += b[g << s];

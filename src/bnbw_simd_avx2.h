@@ -18,7 +18,7 @@
 #define BNBW_SIMD_BODY BNBW_BODY_AVX2
 /* Contiguous bf16 rows load cheapest as even and odd elements (a shift and a mask of one load,
  * no widening shuffle), so the elementwise kernels take them in that order. */
-#define BNBW_SIMD_SPREAD 1     /* vf_spread, vw_spread */
+#define BNBW_SIMD_PACKED_ROWS 1  /* vf_spread, vw_spread, vd_add_group_sums */
 #define BNBW_SIMD_BF16_EVEN_ODD 1
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
@@ -170,6 +170,21 @@ BNBW_INLINE vd vd_add_partners(vd a, int w)
                                _mm256_permute2f128_pd(a.c, a.c, 0x01),
                                _mm256_permute2f128_pd(a.d, a.d, 0x01)));
     return vd_add(a, v__vd(a.b, a.a, a.d, a.c));
+}
+/* sums[2g] += a[g << s], sums[2g + 1] += b[g << s] for the 16 >> s groups (s = 1 or 2) */
+BNBW_INLINE void vd_add_group_sums(vd a, vd b, int s, double *sums)
+{
+    __m256d p[4] = {_mm256_unpacklo_pd(a.a, b.a), _mm256_unpacklo_pd(a.b, b.b),
+                    _mm256_unpacklo_pd(a.c, b.c), _mm256_unpacklo_pd(a.d, b.d)};
+    if (s == 1) {           /* quarter k: groups 2k, 2k + 1 */
+        for (int k = 0; k < 4; ++k)
+            _mm256_storeu_pd(sums + 4 * k, _mm256_add_pd(_mm256_loadu_pd(sums + 4 * k), p[k]));
+        return;
+    }
+    for (int k = 0; k < 2; ++k) {   /* group k of each quarter's low half */
+        __m256d two = _mm256_permute2f128_pd(p[2 * k], p[2 * k + 1], 0x20);
+        _mm256_storeu_pd(sums + 4 * k, _mm256_add_pd(_mm256_loadu_pd(sums + 4 * k), two));
+    }
 }
 
 /* vw: 16 f32 lanes as four 128-bit quarters, each widened by one conversion (no extract:

@@ -20,7 +20,7 @@
 
 #define BNBW_SIMD_BODY BNBW_BODY_AVX512
 /* Any lane order costs one permutation here: the elementwise kernels keep element order. */
-#define BNBW_SIMD_SPREAD 1     /* vf_spread, vw_spread */
+#define BNBW_SIMD_PACKED_ROWS 1  /* vf_spread, vw_spread, vd_add_group_sums */
 #define BNBW_SIMD_BF16_EVEN_ODD 0
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
@@ -99,6 +99,21 @@ BNBW_INLINE vd vd_add_partners(vd a, int w)
                                _mm512_permutex_pd(a.hi, _MM_SHUFFLE(1, 0, 3, 2))));
     return vd_add(a, v__vd(_mm512_shuffle_f64x2(a.lo, a.lo, _MM_SHUFFLE(1, 0, 3, 2)),
                            _mm512_shuffle_f64x2(a.hi, a.hi, _MM_SHUFFLE(1, 0, 3, 2))));
+}
+/* sums[2g] += a[g << s], sums[2g + 1] += b[g << s] for the 16 >> s groups (s = 1 or 2) */
+BNBW_INLINE void vd_add_group_sums(vd a, vd b, int s, double *sums)
+{
+    const __m512i pick = s == 1 ? _mm512_setr_epi64(0, 8, 2, 10, 4, 12, 6, 14)
+                                : _mm512_setr_epi64(0, 8, 4, 12, 0, 8, 4, 12);
+    __m512d lo = _mm512_permutex2var_pd(a.lo, pick, b.lo);
+    __m512d hi = _mm512_permutex2var_pd(a.hi, pick, b.hi);
+    if (s == 1) {
+        _mm512_storeu_pd(sums, _mm512_add_pd(_mm512_loadu_pd(sums), lo));
+        _mm512_storeu_pd(sums + 8, _mm512_add_pd(_mm512_loadu_pd(sums + 8), hi));
+        return;
+    }
+    __m512d both = _mm512_shuffle_f64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+    _mm512_storeu_pd(sums, _mm512_add_pd(_mm512_loadu_pd(sums), both));
 }
 
 /* vw: 16 f32 lanes as two 256-bit halves, each widened by one conversion (no extract). */

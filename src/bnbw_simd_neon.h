@@ -31,7 +31,8 @@
 #define BNBW_SIMD_BODY BNBW_BODY_NEON
 /* Element order costs nothing here (LD1 + SHLL widens, RADDHN narrows in order), and the
  * even/odd split would cost a shift-and-insert per store: elementwise kernels keep order. */
-#define BNBW_SIMD_SPREAD 0     /* vf_spread, vw_spread: none (arrays in bnbw_kernels_impl.h) */
+#define BNBW_SIMD_PACKED_ROWS 0  /* vf_spread, vw_spread, vd_add_group_sums: none
+                                   (arrays in bnbw_kernels_impl.h) */
 #define BNBW_SIMD_BF16_EVEN_ODD 0
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
