@@ -639,11 +639,21 @@ def _eager_apply():
 _eager_layer_step = _eager_apply()
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(*tensors):
+    """Whether every tensor given is a plain tensor (or None), whose memory the kernels read in
+    place: a subclass (FakeTensor, a wrapper of other tensors) goes through the dispatcher,
+    which gives it to the subclass's own rules."""
+    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
+
+
 def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked, eps, relu,
           group, num_threads, residual=None):
     """y of batch_norm_train with its autograd formula, the running statistics updated in
     place with torch's momentum (None: the cumulative average, 1 / batches_tracked):
-    EagerLayerStep in plain eager mode; else the operator (the graph holds it when
+    EagerLayerStep in plain eager mode on plain tensors; else the operator (the graph holds it when
     compiling or tracing with torch.jit.trace, which cannot record a Python autograd
     Function), through BatchNormTrain under torch.func transforms, its new running
     statistics then stored.  A residual (with relu): y = max(bn(x) + residual, 0), inside
@@ -656,7 +666,9 @@ def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked,
         factor, counted = 0.0, batches_tracked
     else:
         factor = _cumulative_factor(batches_tracked)
-    if not (compiling or torch._C._are_functorch_transforms_active()):
+    if not (compiling or torch._C._are_functorch_transforms_active()) and _plain(
+            x, weight, bias, residual, running_mean, running_var):
+        _check_params(x, weight, bias)
         return _eager_layer_step(x, weight, bias, residual, _running(running_mean, running_var),
                                  (factor, eps, relu, group, num_threads))
     inside = residual if relu and not group else None

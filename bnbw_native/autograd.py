@@ -35,7 +35,7 @@ supported.
 import collections
 import operator
 import warnings
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, Optional, Tuple, Type
 
 try:
     import torch
@@ -304,6 +304,10 @@ def _replacement(module: Any, relu: bool, sync: bool, process_group: Any,
     (BatchNormAddReLU when add)."""
     cls: Type[BatchNorm]
     kw: Dict[str, Any] = {}
+    if isinstance(module, SyncBatchNorm):     # ours, already converted: stays in its group
+        sync, process_group = True, module.process_group
+    elif sync and process_group is None:      # torch's SyncBatchNorm: its own group
+        process_group = getattr(module, "process_group", None)
     if add:
         cls = BatchNormAddReLU
     elif sync:
@@ -364,7 +368,9 @@ def _convert_tree(module: torch.nn.Module, sync: bool, process_group: Any,
     # every slot, in order: named_children() lists a module held twice once, which would make
     # a batch norm look followed by a ReLU that is not the next slot
     children = list(module._modules.items())
-    fuse = fuse_relu and isinstance(module, torch.nn.Sequential)
+    # (a subclass with a forward of its own may use a batch norm's output otherwise)
+    fuse = (fuse_relu and isinstance(module, torch.nn.Sequential)
+            and type(module).forward is torch.nn.Sequential.forward)
     skip = set()
     for i, (name, child) in enumerate(children):
         if name in skip or child is None:
@@ -434,21 +440,77 @@ def _keep_order(copy: torch.nn.Module, original: torch.nn.Module) -> None:
             _keep_order(child, source)
 
 
+class _Untraceable(Exception):
+    """A forward that torch.fx would trace into a graph that does not compute what it does."""
+
+
+def _modes() -> Tuple[bool, ...]:
+    """The global modes a forward may switch that a torch.fx graph does not record: grad,
+    inference, CPU autocast."""
+    autocast = (torch.is_autocast_enabled("cpu") if hasattr(torch, "get_autocast_dtype")
+                else torch.is_autocast_cpu_enabled())
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast
+
+
+def _faithful_trace(module: torch.nn.Module) -> Any:
+    """The graph torch.fx traces from module's forward, our batch norms left as calls; raises
+    _Untraceable where the graph would not do what the forward does: a forward with optional
+    or variable arguments (traced with a Proxy, `if arg is None` takes one branch for good),
+    one that switches grad, inference or autocast mode (the graph keeps the ops, not the
+    modes), one that reads `training` (the graph keeps the mode of the trace: it is traced
+    with every module in training mode and in eval mode too, and the graphs must agree), or
+    hooks on the model or on the submodules the graph inlines (they would not run)."""
+    import inspect
+    import torch.fx
+
+    start = _modes()
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+            return isinstance(m, BatchNorm) or super().is_leaf_module(m, qualname)
+
+        def create_node(self, *args: Any, **kwargs: Any) -> Any:
+            if _modes() != start:
+                raise _Untraceable("its forward switches grad, inference or autocast mode, "
+                                   "which a graph does not record")
+            return super().create_node(*args, **kwargs)
+
+        def call_module(self, m: torch.nn.Module, forward: Any, args: Any,
+                        kwargs: Any) -> Any:
+            if not self.is_leaf_module(m, self.path_of_module(m)) and _hooked(m):
+                raise _Untraceable(f"{type(m).__name__} has hooks, which a graph would not "
+                                   "call")
+            return super().call_module(m, forward, args, kwargs)
+
+    if _hooked(module):
+        raise _Untraceable("the model has hooks, which a graph would not call")
+    for p in inspect.signature(module.forward).parameters.values():
+        if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise _Untraceable(f"its forward has an optional argument ({p.name})")
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        graph = Tracer().trace(module)
+        for mode in (True, False):
+            for m, _ in modes:
+                m.training = mode
+            if str(Tracer().trace(module)) != str(graph):
+                raise _Untraceable("its forward depends on training mode, which a graph "
+                                   "would keep as traced")
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return graph
+
+
 def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
                    num_threads: Optional[int]) -> Optional[torch.nn.Module]:
     """The model's forward traced by torch.fx, each batch norm whose output goes only to a ReLU
     made the ReLU layer and the ReLU dropped from the graph.  None when there is nothing to
     fuse; the module itself, with a warning, when it cannot be traced or the traced module
     would not keep its state-dict keys."""
-    import torch.fx
-
-    class Tracer(torch.fx.Tracer):
-        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-            return isinstance(m, BatchNorm) or super().is_leaf_module(m, qualname)
-
     name = type(module).__name__
     try:
-        graph = Tracer().trace(module)
+        graph = _faithful_trace(module)
     except Exception as exc:  # any failure to trace: data-dependent control flow, ...
         warnings.warn(f"convert_batchnorm(fuse_relu=True): {name}'s forward cannot be traced "
                       f"by torch.fx ({type(exc).__name__}: {exc}); only batch norms followed "
@@ -476,7 +538,7 @@ def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
             gm.graph.erase_node(after)
             fused += 1
             continue
-        other = None if sync else _residual_add(after, node)
+        other = None if sync or bn._sync else _residual_add(after, node)
         if other is None or len(after.users) != 1:
             continue
         (relu,) = after.users
@@ -501,7 +563,7 @@ def _fuse_in_graph(module: torch.nn.Module, sync: bool, process_group: Any,
         return module
     gm.graph.lint()
     gm.recompile()
-    gm.train(module.training)
+    gm.training = module.training     # (its submodules keep their own modes)
     return gm
 
 
@@ -513,19 +575,25 @@ def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_gr
 
     fuse_relu: every batch norm whose output goes to a ReLU alone becomes BatchNormReLU
     (SyncBatchNormReLU when sync), wherever the model computes it:
-    * inside every nn.Sequential, a batch norm immediately followed by a torch.nn.ReLU
-      (inplace or not) becomes the ReLU layer and the ReLU nn.Identity(), so the Sequential
-      keeps its indices and state_dict keys;
+    * inside every nn.Sequential (with Sequential's own forward), a batch norm immediately
+      followed by a torch.nn.ReLU (inplace or not) becomes the ReLU layer and the ReLU
+      nn.Identity(), so the Sequential keeps its indices and state_dict keys;
     * in the model's forward (torch.relu, F.relu, x.relu_(), an nn.ReLU called there, inplace
       or not), found by tracing the forward with torch.fx; and a batch norm whose output goes
       only to an add whose sum goes only to a ReLU - a residual block's `out = bn(...);
       out += identity; relu(out)` - becomes BatchNormAddReLU, called as layer(x, identity)
       (not with sync).  The model then comes back as a torch.fx.GraphModule with the same
       submodules, parameters, buffers and state_dict keys, whose forward no longer calls
-      those adds and ReLUs, its parameters and keys in their old order.  A batch norm the
-      forward calls at more than one place is not fused.  A model torch.fx cannot trace
-      keeps the Sequential rule alone, with a RuntimeWarning that says so.
-    Layers already converted (BatchNorm) followed by a ReLU are fused too.  A ReLU with hooks is
+      those adds and ReLUs, its parameters and keys in their old order, its submodules in
+      their own training modes (the model's methods, attributes and hooks are not carried
+      over).  A batch norm the forward calls at more than one place is not fused.  A model
+      torch.fx cannot trace, or whose graph would not do what its forward does (optional or
+      variable arguments, grad/inference/autocast mode switched, a graph that depends on
+      training mode, hooks on the model or on a submodule the graph inlines), keeps the
+      Sequential rule alone, with a RuntimeWarning that says why.
+    Layers already converted (BatchNorm) followed by a ReLU are fused too (a SyncBatchNorm of
+    ours stays in its group; with sync and no process_group, a torch.nn.SyncBatchNorm keeps
+    its own).  A ReLU with hooks is
     left alone; a batch norm with hooks is left unconverted, with a RuntimeWarning; an
     uninitialised LazyBatchNorm*d is refused (ValueError: run one forward first).
     Returns the converted model: `module` (converted in place), the GraphModule, or the new

@@ -579,6 +579,126 @@ def test_an_untraceable_forward_keeps_the_sequential_rule_and_says_so():
     assert type(net.bn) is bag.BatchNorm
 
 
+class _Double(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class _Unfaithful(torch.nn.Module):
+    """A forward whose torch.fx graph would not do what it does (`kind` says how), around a
+    batch norm and a ReLU the graph rule would fuse."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.inner = _Double()        # (inlined by the trace)
+        self.bn = torch.nn.BatchNorm2d(3)
+        self.frozen = torch.nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        if self.kind == "training":
+            x = torch.nn.functional.dropout(x, 0.5, self.training)
+        elif self.kind == "no_grad":
+            with torch.no_grad():
+                x = self.frozen(x)
+        elif self.kind == "hooks":
+            x = self.inner(x)
+        return torch.relu(self.bn(x))
+
+
+class _Optional(_Unfaithful):
+    def forward(self, x, scale=None):
+        if scale is not None:
+            x = x * scale
+        return torch.relu(self.bn(x))
+
+
+@pytest.mark.parametrize("kind", ["training", "no_grad", "optional", "hooks", "model-hooks"])
+def test_a_forward_whose_graph_would_differ_is_not_rewritten(kind):
+    """torch.fx keeps the ops a forward runs, not the training flag it read, the grad mode it
+    set, the branch an optional argument took or the hooks of what it inlined: such a model
+    keeps its own forward (the Sequential rule alone), with a warning that says why."""
+    net = _Optional(kind) if kind == "optional" else _Unfaithful(kind)
+    if kind == "hooks":
+        net.inner.register_forward_hook(lambda m, i, o: None)
+    if kind == "model-hooks":
+        net.register_forward_pre_hook(lambda m, i: None)
+    reason = {"training": "depends on training mode", "no_grad": "switches grad",
+              "optional": r"optional argument \(scale\)", "hooks": "_Double has hooks",
+              "model-hooks": "the model has hooks"}[kind]
+    with pytest.warns(RuntimeWarning, match=reason):
+        out = bag.convert_batchnorm(net, fuse_relu=True)
+    assert out is net and type(net.bn) is bag.BatchNorm
+    net.eval()          # (its training flag is read where the forward reads it)
+    x = torch.randn(4, 3, 5, 5)
+    assert torch.equal(net(x), net(x))
+
+
+def test_a_rewritten_model_keeps_its_submodules_modes():
+    """Batch norms kept in eval mode in a training model (frozen statistics) stay so."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn1 = torch.nn.BatchNorm2d(3)
+            self.bn2 = torch.nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            return torch.relu(self.bn2(torch.relu(self.bn1(x))))
+
+    net = Net()
+    net.bn2.eval()
+    out = bag.convert_batchnorm(net, fuse_relu=True)
+    assert isinstance(out, torch.fx.GraphModule) and out.training
+    assert out.bn1.training and not out.bn2.training
+    before = out.bn2.running_mean.clone()
+    out(torch.randn(4, 3, 5, 5) + 3)
+    assert torch.equal(out.bn2.running_mean, before)
+
+
+def test_a_sequential_with_a_forward_of_its_own_is_not_fused_by_the_sequential_rule():
+    class Twice(torch.nn.Sequential):
+        def forward(self, x):
+            a = self[0](x)
+            return a + self[1](a)         # the batch norm's output used twice
+
+    torch.manual_seed(0)
+    net = Twice(torch.nn.BatchNorm2d(3), torch.nn.ReLU())
+    x = torch.randn(4, 3, 5, 5)
+    want = copy.deepcopy(net)(x)
+    out = bag.convert_batchnorm(net, fuse_relu=True)
+    assert type(out[0]) is bag.BatchNorm and type(out[1]) is torch.nn.ReLU
+    assert rel_err(out(x), want) <= 1e-5
+
+
+def test_a_converted_sync_layer_keeps_its_group_when_fused():
+    group = object()              # (only kept: a world of one never reads it)
+    net = torch.nn.Sequential(bag.SyncBatchNorm(3, process_group=group), torch.nn.ReLU())
+    net = bag.convert_batchnorm(net, fuse_relu=True)          # sync=False: stays in its group
+    assert type(net[0]) is bag.SyncBatchNormReLU and net[0].process_group is group
+    net = torch.nn.Sequential(torch.nn.SyncBatchNorm(3, process_group=group), torch.nn.ReLU())
+    net = bag.convert_batchnorm(net, sync=True, fuse_relu=True)
+    assert type(net[0]) is bag.SyncBatchNormReLU and net[0].process_group is group
+
+
+def test_tensor_subclasses_go_through_the_dispatcher():
+    """A FakeTensor has no memory for the kernels to read: refused as torch's layer refuses
+    it, not read from its address (the running statistics were overwritten with garbage)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    layer = bag.BatchNorm(3)
+    before = layer.running_mean.clone()
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(4, 3, 2, 2))
+        with pytest.raises(Exception, match="FakeTensor"):
+            layer(x)
+    assert torch.equal(layer.running_mean, before)
+
+
+def test_an_integer_weight_is_refused_in_eager_mode_too():
+    x = torch.randn(4, 3, 2, 2)
+    with pytest.raises(TypeError, match="weight must be a floating-point tensor"):
+        bag.batch_norm(x, torch.ones(3, dtype=torch.int32))
+
+
 def test_a_batch_norm_with_hooks_is_left_as_it_is():
     seen = []
     net = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.ReLU(), torch.nn.BatchNorm2d(3))
