@@ -669,8 +669,14 @@ def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked,
     if not (compiling or torch._C._are_functorch_transforms_active()) and _plain(
             x, weight, bias, residual, running_mean, running_var):
         _check_params(x, weight, bias)
-        return _eager_layer_step(x, weight, bias, residual, _running(running_mean, running_var),
-                                 (factor, eps, relu, group, num_threads))
+        try:
+            return _eager_layer_step(x, weight, bias, residual,
+                                     _running(running_mean, running_var),
+                                     (factor, eps, relu, group, num_threads))
+        except (TypeError, ValueError):     # a tensor off x's device: say so, in torch's words
+            _check_device(x, weight=weight, bias=bias, running_mean=running_mean,
+                          running_var=running_var, residual=residual)
+            raise
     inside = residual if relu and not group else None
     args = (x, weight, bias, running_mean, running_var, factor, eps,
             relu and (residual is None or inside is not None), group, num_threads, inside,

@@ -155,6 +155,34 @@ class BatchNorm(torch.nn.Module):
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
 
+    # state-dict version 2, as torch's batch norms: num_batches_tracked is in it
+    _version = 2
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any,
+                              *args: Any) -> None:
+        # a state dict from before num_batches_tracked (version 1) loads with a count of 0, as
+        # into torch.nn.BatchNorm2d
+        key = prefix + "num_batches_tracked"
+        version = local_metadata.get("version")
+        if (version is None or version < 2) and self.track_running_stats \
+                and key not in state_dict:
+            state_dict[key] = torch.tensor(0, dtype=torch.long)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+    def reset_running_stats(self) -> None:
+        """Running statistics back to their start (mean 0, variance 1, no batch seen)."""
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        """Running statistics and the affine parameters back to their start (1 and 0)."""
+        self.reset_running_stats()
+        if self.affine:
+            torch.nn.init.ones_(self.weight)
+            torch.nn.init.zeros_(self.bias)
+
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
                 f"affine={self.affine}, track_running_stats={self.track_running_stats}")
@@ -355,6 +383,13 @@ def _convertible(module: torch.nn.Module, name: str) -> bool:
         warnings.warn(f"convert_batchnorm: {name or 'the module'} ({type(module).__name__}) "
                       "has hooks, which the converted layer would not call: left as it is",
                       RuntimeWarning, stacklevel=4)
+        return False
+    from torch.nn.modules.batchnorm import _BatchNorm
+    if isinstance(module, _BatchNorm) and type(module).forward not in (
+            _BatchNorm.forward, torch.nn.SyncBatchNorm.forward):
+        warnings.warn(f"convert_batchnorm: {name or 'the module'} ({type(module).__name__}) "
+                      "has a forward of its own, which the converted layer would not run: left "
+                      "as it is", RuntimeWarning, stacklevel=4)
         return False
     return True
 
@@ -594,7 +629,8 @@ def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_gr
     Layers already converted (BatchNorm) followed by a ReLU are fused too (a SyncBatchNorm of
     ours stays in its group; with sync and no process_group, a torch.nn.SyncBatchNorm keeps
     its own).  A ReLU with hooks is
-    left alone; a batch norm with hooks is left unconverted, with a RuntimeWarning; an
+    left alone; a batch norm with hooks, or a subclass of torch's with a forward of its own, is
+    left unconverted, with a RuntimeWarning; an
     uninitialised LazyBatchNorm*d is refused (ValueError: run one forward first).
     Returns the converted model: `module` (converted in place), the GraphModule, or the new
     layer when `module` is a batch norm.
@@ -608,7 +644,8 @@ def convert_batchnorm(module: torch.nn.Module, *, sync: bool = False, process_gr
         return module
     _convert_tree(module, sync, process_group, num_threads, fuse_relu)
     if fuse_relu:
-        return _fuse_in_graph(module, sync, process_group, num_threads) or module
+        traced = _fuse_in_graph(module, sync, process_group, num_threads)
+        return module if traced is None else traced
     return module
 
 

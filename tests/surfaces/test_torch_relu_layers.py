@@ -699,6 +699,65 @@ def test_an_integer_weight_is_refused_in_eager_mode_too():
         bag.batch_norm(x, torch.ones(3, dtype=torch.int32))
 
 
+def test_a_batch_norm_with_a_forward_of_its_own_is_left_as_it_is():
+    class Frozen(torch.nn.BatchNorm2d):       # always its running statistics
+        def forward(self, x):
+            return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var,
+                                                  self.weight, self.bias, False, 0.0, self.eps)
+
+    net = torch.nn.Sequential(Frozen(3), torch.nn.BatchNorm2d(3))
+    with pytest.warns(RuntimeWarning, match=r"0 \(Frozen\) has a forward of its own"):
+        net = bag.convert_batchnorm(net)
+    assert type(net[0]) is Frozen and type(net[1]) is bag.BatchNorm
+
+
+def test_a_compiled_model_converts():
+    """A compiled model (torch.compile's wrapper) comes back converted where its graph allows,
+    not with a TypeError from asking the wrapper for its length."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            return torch.relu(self.bn(x))
+
+    net = torch.compile(Net())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = bag.convert_batchnorm(net, fuse_relu=True)
+    assert out is net and type(net._orig_mod.bn) in (bag.BatchNorm, bag.BatchNormReLU)
+
+
+def test_old_state_dicts_load_and_statistics_reset_as_in_torch():
+    """A state dict from before num_batches_tracked (version 1) loads, as into BatchNorm2d;
+    reset_running_stats and reset_parameters do what torch's do."""
+    state = torch.nn.BatchNorm2d(3).state_dict()
+    del state["num_batches_tracked"]
+    state._metadata[""]["version"] = 1
+    layer, ref = bag.BatchNorm(3), torch.nn.BatchNorm2d(3)
+    layer.num_batches_tracked.fill_(5)
+    layer.load_state_dict(state)
+    ref.load_state_dict(state)
+    assert int(layer.num_batches_tracked) == int(ref.num_batches_tracked) == 0
+    layer(torch.randn(4, 3, 2, 2) + 2)
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    layer.reset_running_stats()
+    assert torch.equal(layer.running_mean, torch.zeros(3))
+    assert torch.equal(layer.running_var, torch.ones(3)) and int(layer.num_batches_tracked) == 0
+    assert torch.equal(layer.weight, torch.full((3,), 3.0))
+    layer.reset_parameters()
+    assert torch.equal(layer.weight, torch.ones(3)) and torch.equal(layer.bias, torch.zeros(3))
+
+
+def test_a_parameter_on_another_device_is_named():
+    layer = bag.BatchNorm(3)
+    layer.weight = torch.nn.Parameter(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match=r"weight must be on x's device \(cpu\), got meta"):
+        layer(torch.randn(4, 3, 2, 2))
+
+
 def test_a_batch_norm_with_hooks_is_left_as_it_is():
     seen = []
     net = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.ReLU(), torch.nn.BatchNorm2d(3))
