@@ -18,8 +18,10 @@
 #define BNBW_SIMD_BODY BNBW_BODY_AVX2
 /* Contiguous bf16 rows load cheapest as even and odd elements (a shift and a mask of one load,
  * no widening shuffle), so the elementwise kernels take them in that order. */
-#define BNBW_SIMD_PACKED_ROWS 1  /* vf_spread, vw_spread, vd_add_group_sums */
 #define BNBW_SIMD_BF16_EVEN_ODD 1
+/* Packed short rows (bnbw_kernels_impl.h) take their per-row constants and add their
+ * row sums by this layer's permutes: vf_spread, vw_spread, vd_add_group_sums. */
+#define BNBW_SIMD_PACKED_ROWS 1
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
 typedef struct { __m256 lo, hi; } vf;               /* lanes 0-7, 8-15 */

@@ -20,8 +20,10 @@
 
 #define BNBW_SIMD_BODY BNBW_BODY_AVX512
 /* Any lane order costs one permutation here: the elementwise kernels keep element order. */
-#define BNBW_SIMD_PACKED_ROWS 1  /* vf_spread, vw_spread, vd_add_group_sums */
 #define BNBW_SIMD_BF16_EVEN_ODD 0
+/* Packed short rows (bnbw_kernels_impl.h) take their per-row constants and add their
+ * row sums by this layer's permutes: vf_spread, vw_spread, vd_add_group_sums. */
+#define BNBW_SIMD_PACKED_ROWS 1
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
 typedef __m512 vf;

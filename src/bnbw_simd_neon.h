@@ -31,9 +31,9 @@
 #define BNBW_SIMD_BODY BNBW_BODY_NEON
 /* Element order costs nothing here (LD1 + SHLL widens, RADDHN narrows in order), and the
  * even/odd split would cost a shift-and-insert per store: elementwise kernels keep order. */
-#define BNBW_SIMD_PACKED_ROWS 0  /* vf_spread, vw_spread, vd_add_group_sums: none
-                                   (arrays in bnbw_kernels_impl.h) */
 #define BNBW_SIMD_BF16_EVEN_ODD 0
+/* Packed short rows spread and add through arrays (bnbw_kernels_impl.h). */
+#define BNBW_SIMD_PACKED_ROWS 0
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
 typedef struct { float32x4_t q[4]; } vf;

@@ -54,9 +54,9 @@
 
 #define BNBW_SIMD_BODY BNBW_BODY_PORTABLE
 /* Lane order the elementwise kernels use for contiguous bf16 rows (see bnbw_simd_avx2.h). */
-#define BNBW_SIMD_PACKED_ROWS 0  /* vf_spread, vw_spread, vd_add_group_sums: none
-                                   (arrays in bnbw_kernels_impl.h) */
 #define BNBW_SIMD_BF16_EVEN_ODD 0
+/* Packed short rows spread and add through arrays (bnbw_kernels_impl.h). */
+#define BNBW_SIMD_PACKED_ROWS 0
 
 #ifdef __has_builtin
 #define BNBW__HAS_BUILTIN(x) __has_builtin(x)
