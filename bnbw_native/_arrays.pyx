@@ -30,7 +30,7 @@ from bnbw_native._rules cimport (Arg, ARG_DIMS, Rules, Epsilon, Momentum, Conven
                                  check_apart_from_caller)
 from bnbw_native._engine cimport engine_run, engine_describe
 
-from bnbw_native._dlpack import as_array, output_array
+from bnbw_native._dlpack import as_array, output_array, resolved_values
 from bnbw_native._rules import check_count, requested_threads
 
 cnp.import_array()
@@ -181,7 +181,7 @@ cdef cnp.ndarray _input(object obj, Arg *a, Convention conv, int role, list keep
         if _lazy_tensor(obj):       # its memory is not its values: read them (a copy)
             if copied is not None:
                 copied.append((role, obj))
-            obj = obj.detach().resolve_conj().resolve_neg()
+            obj = resolved_values(obj, conv.rules.names[role].decode())
             keep.append(obj)
             if _fill_tensor(a, obj) and a.aligned:
                 return None

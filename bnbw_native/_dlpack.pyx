@@ -158,6 +158,16 @@ def _refuse_too_big(exc, name):
         raise TooLarge(f"{name} is too large: {exc}") from exc
 
 
+def resolved_values(tensor, name):
+    """A copy of the values of `tensor`, a torch tensor with the negative or conjugate bit
+    (its memory holds -x or conj(x)); TooLarge naming `name` when there is no memory for it."""
+    try:
+        return tensor.detach().resolve_conj().resolve_neg()
+    except RuntimeError as exc:   # torch cannot make the copy: no memory for its size
+        raise TooLarge(f"{name} is too large to copy (its memory holds -x or conj(x), so "
+                       f"its values are read through a copy): {exc}") from exc
+
+
 def as_array(obj, name):
     """An ndarray viewing `obj` (ndarray, DLPack producer, buffer or array interface), without
     a copy where NumPy can avoid one; TypeError naming `name` for anything that is not an
@@ -168,11 +178,7 @@ def as_array(obj, name):
     if obj is None or isinstance(obj, (str, bytes, numbers.Number)):
         raise TypeError(f"{name} must be an array, got {type(obj).__name__}")
     if _lazy_bit(obj) is not None:
-        try:
-            obj = obj.resolve_conj().resolve_neg()
-        except RuntimeError as exc:   # torch cannot make the copy: no memory for its size
-            raise TooLarge(f"{name} is too large to copy (its memory holds -x or conj(x), so "
-                           f"its values are read through a copy): {exc}") from exc
+        obj = resolved_values(obj, name)
     try:
         if hasattr(obj, "__dlpack__"):
             return _from_dlpack(obj, name)

@@ -531,6 +531,21 @@ def test_an_output_over_the_memory_of_a_negative_bit_input_is_refused():
     assert torch.equal(dx, torch.from_numpy(want[0]))
 
 
+def test_a_negative_bit_input_too_large_to_copy_is_refused_by_name():
+    """A negated view read in place by the layers' path (tensors=True) is copied first; when
+    its values cannot be copied (expanded past memory), the call is the ValueError naming the
+    input, as on the array path, and no output is written."""
+    from bnbw_native._arrays import TRAINING, backward
+    from bnbw_native._onednn_graph import GRAPH
+    huge = torch._neg_view(torch.zeros(1, 4, 5, 5)).expand(2 ** 55, 4, 5, 5)
+    stats = torch.zeros(4), torch.ones(4)
+    outs = torch.full((3, 4, 5, 5), 7.0), torch.full((4,), 7.0), torch.full((4,), 7.0)
+    with pytest.raises(ValueError, match=r"src is too large to copy"):
+        backward(GRAPH, TRAINING, huge, torch.zeros(1, 4, 5, 5), *stats, None, 1e-5, "NCX",
+                 outs, 1, tensors=True)
+    assert all(torch.equal(o, torch.full_like(o, 7.0)) for o in outs)
+
+
 def test_vmap_runs_one_batch_norm_per_entry_and_its_gradients():
     """torch.func.vmap (and per-sample gradients, vmap of grad) over a layer without running
     statistics gives what it gives over torch's BatchNorm2d; a layer with running statistics
