@@ -19,7 +19,7 @@ on the kernel body this process chose and the thread count resolved here.
 * fork(): libgomp's thread pool does not survive it.  A child whose parent started a team runs
   on its calling thread; a child of a parent that never did keeps its threads.
 """
-from bnbw_native._vocabulary cimport Layout, Plan
+from bnbw_native._vocabulary cimport Layout, Plan, S_DY, OP_FORWARD, OP_ADD_RESIDUAL
 from bnbw_native._headers cimport (
     bnbw_status, BNBW_OK, BNBW_ERROR_OUT_OF_MEMORY, BNBW_BODY_AVX2, bnbw_kernels, bnbw_body,
     bnbw_cpu_body, bnbw_set_body_cap, bnbw_body_name, bnbw_omp_max_threads, bnbw_omp_num_procs,
@@ -161,6 +161,8 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
     from bnbw_native._schedules import SCHEDULE_NAMES
     cdef Plan p
     cdef Schedule s
+    # the forward plans with x in dy's place too: one temporary serves both
+    reads_x_twice = (op & OP_FORWARD) and not (op & OP_ADD_RESIDUAL)
     if engine_plan(l, &p) != BNBW_OK:
         raise MemoryError("bnbw_native: out of memory while planning")
     try:
@@ -174,7 +176,8 @@ cdef dict engine_describe(const Layout *l, int op, int requested):
             "rows_per_block" if p.channel_last else "block": p.block,
             "blocks": p.nblocks,
             "via_temp": [name for t, name in enumerate(("x", "dy", "dx", "relu_dst",
-                                                        "diff_residual")) if p.via_temp[t]],
+                                                        "diff_residual"))
+                         if p.via_temp[t] and not (t == S_DY and reads_x_twice)],
             "schedule": SCHEDULE_NAMES[s.kind],
             "threads": s.nthreads,
             "sums": ("exact", "blocked", "blocked-even-odd")[s.sums],

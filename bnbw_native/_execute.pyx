@@ -33,7 +33,7 @@ from bnbw_native._vocabulary cimport (
     applies_after_sums)
 from bnbw_native._headers cimport (bnbw_io, bnbw_run, bnbw_kernel_table, BNBW_NO_MASK,
                                    BNBW_RELU, BNBW_ADD_RELU)
-from bnbw_native._plan cimport plan_scratch, copy_strided
+from bnbw_native._plan cimport plan_scratch, copy_runs, copy_strided
 from bnbw_native._formulas cimport (coefficients, forward_coefficients, forward_recentre,
                                     running_statistic)
 from bnbw_native._schedules cimport (
@@ -711,6 +711,7 @@ cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, c
     Returns 0, or -1 when out of memory (nothing written then)."""
     cdef char *slots[N_SLOTS]
     cdef char *temp[N_BIG]
+    cdef char *given
     cdef int t, rc = 0
     memcpy(slots, ptr, N_SLOTS * sizeof(char *))
     if op & OP_FORWARD and not (op & OP_ADD_RESIDUAL):
@@ -719,23 +720,59 @@ cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, c
         temp[t] = NULL             # all of them first: a failed allocation frees the ones before
     for t in range(N_BIG):
         if p.via_temp[t] and slots[t] != NULL:
+            if t == S_DY and _same_operand(p, slots, ptr):
+                slots[S_DY] = slots[S_X]      # the forward's x, packed once
+                continue
             temp[t] = <char *> malloc(p.temp_bytes[t])
             if temp[t] == NULL:
                 rc = -1
                 break
+            given = slots[t]
             slots[t] = temp[t] - p.temp_low[t]
-            if t == S_MASK:
-                copy_strided(p.ndim, p.sizes, ptr[t], p.given_strides[t], slots[t],
-                              p.temp_strides[t], itemsize(p.mask_dtype))
+            if _is_input(t):
+                _copy(p, s.nthreads, given, p.given_strides[t], slots[t], p.temp_strides[t],
+                      itemsize(p.mask_dtype if t == S_MASK else p.big_dtype))
     if rc == 0:
         rc = _run(p, s, k, slots, op, eps, momentum, count, sums_io)
     for t in range(N_BIG):
         if temp[t] != NULL:
-            if rc == 0 and t != S_MASK:
-                copy_strided(p.ndim, p.sizes, slots[t], p.temp_strides[t], ptr[t],
-                              p.given_strides[t], itemsize(p.big_dtype))
+            if rc == 0 and not _is_input(t):
+                _copy(p, s.nthreads, slots[t], p.temp_strides[t], ptr[t], p.given_strides[t],
+                      itemsize(p.big_dtype))
             free(temp[t])
     return rc
+
+
+cdef void _copy(const Plan *p, int nt, const char *src, const int64_t *src_strides, char *dst,
+                const int64_t *dst_strides, int64_t size) noexcept nogil:
+    """An operand into or out of its temporary, on the call's threads, each a run of its own."""
+    cdef int64_t runs = copy_runs(p.ndim, p.sizes, dst_strides)
+    cdef int t
+    if nt > runs:
+        nt = <int> runs
+    if nt <= 1:
+        copy_strided(p.ndim, p.sizes, src, src_strides, dst, dst_strides, size, 0, runs)
+        return
+    for t in prange(nt, num_threads=nt, schedule='static', chunksize=1):
+        copy_strided(p.ndim, p.sizes, src, src_strides, dst, dst_strides, size,
+                     runs * t // nt, runs * (t + 1) // nt - runs * t // nt)
+
+
+cdef inline bint _is_input(int t) noexcept nogil:
+    """Whether a temporary holds what the kernels read (filled before the run) or what they
+    write (emptied into the caller's operand after it)."""
+    return t == S_X or t == S_DY or t == S_MASK
+
+
+cdef bint _same_operand(const Plan *p, char **slots, char **ptr) noexcept nogil:
+    """Whether dy's slot holds x itself (the forward's), so that x's temporary serves both."""
+    cdef int d
+    if not p.via_temp[S_X] or ptr[S_X] == NULL:
+        return False
+    for d in range(p.ndim):
+        if p.given_strides[S_X][d] != p.given_strides[S_DY][d]:
+            return False
+    return slots[S_DY] == ptr[S_X]
 
 
 cdef int _run(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, char **ptr, int op,

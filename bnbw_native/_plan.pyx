@@ -11,6 +11,10 @@ BLOCK elements, or of rows of channels) that never depend on the thread count.
 The visiting order of x and dy decides how the sums round, so it depends on x and dy only: an
 output (dx, the residual gradient) or a mask whose layout would change it goes through a dense
 temporary laid out like x instead (built here, filled and emptied by the schedules' execute).
+Where x's channels are its innermost dim but not at unit stride (a view of every other channel,
+channels reversed), x, and dy unless its channels already lie at unit stride, are read from
+dense channel-last temporaries (gathered; the same bits as a dense channel-last call): visited in
+place, each channel's elements would lie a row apart, one cache line read per element.
 Everything here runs without the GIL and touches no Python object, so the C API plans too.
 """
 from libc.stdint cimport int64_t
@@ -61,35 +65,98 @@ cdef void plan_scratch(const Plan *p, char *memory, double **sums, float **float
     partial[0] = <double *> ((<size_t> (memory + 49 * C) + 63) & ~(<size_t> 63))
 
 
-cdef void copy_strided(int ndim, const int64_t *sizes, const char *src,
-                        const int64_t *src_strides, char *dst, const int64_t *dst_strides,
-                        int64_t size) noexcept nogil:
-    """dst[i] = src[i] for every index i of `sizes` (byte strides; elements of `size` bytes):
-    an operand into or out of its temporary."""
-    cdef int64_t idx[MAX_DIMS]
-    cdef int64_t k, s_off = 0, d_off = 0
+cdef inline void _copy_run(char *dst, int64_t ds, const char *src, int64_t ss, int64_t n,
+                           int64_t size) noexcept nogil:
+    """n elements of `size` bytes, a stride apart on each side (moves of a fixed size: one
+    load and one store an element)."""
+    cdef int64_t k
+    if size == 4:
+        for k in range(n):
+            memcpy(dst + k * ds, src + k * ss, 4)
+    elif size == 2:
+        for k in range(n):
+            memcpy(dst + k * ds, src + k * ss, 2)
+    elif size == 1:
+        for k in range(n):
+            dst[k * ds] = src[k * ss]
+    else:
+        for k in range(n):
+            memcpy(dst + k * ds, src + k * ss, size)
+
+
+cdef void _outermost_first(const int64_t *strides, int *order, int n) noexcept nogil:
+    """Sorts the n dims in `order` by |stride|, largest first (stable: their order on ties)."""
+    cdef int i, j, tmp
+    for i in range(1, n):
+        j = i
+        while j > 0 and _abs(strides[order[j - 1]]) < _abs(strides[order[j]]):
+            tmp = order[j - 1]
+            order[j - 1] = order[j]
+            order[j] = tmp
+            j -= 1
+
+
+cdef int _copy_order(int ndim, const int64_t *sizes, const int64_t *dst_strides,
+                     int *order) noexcept nogil:
+    """order: the dims outermost first by |dst stride| (logical order on ties); returns the
+    number of runs along the innermost (the product of the other sizes)."""
+    cdef int d, i
+    cdef int64_t runs = 1
+    for d in range(ndim):
+        order[d] = d
+    _outermost_first(dst_strides, order, ndim)
+    for i in range(ndim - 1):
+        runs *= sizes[order[i]]
+    return runs
+
+
+cdef int64_t copy_runs(int ndim, const int64_t *sizes, const int64_t *dst_strides) noexcept nogil:
+    """How many runs copy_strided cuts the index space of `sizes` into (0 when it is empty)."""
+    cdef int order[MAX_DIMS]
     cdef int d
     for d in range(ndim):
-        idx[d] = 0
         if sizes[d] == 0:
-            return
-    while True:
-        for k in range(sizes[ndim - 1]):       # the last dim in a loop, the others counted
-            memcpy(dst + d_off + k * dst_strides[ndim - 1],
-                   src + s_off + k * src_strides[ndim - 1], size)
-        d = ndim - 2
-        while d >= 0:
-            idx[d] += 1
+            return 0
+    return _copy_order(ndim, sizes, dst_strides, order)
+
+
+cdef void copy_strided(int ndim, const int64_t *sizes, const char *src,
+                       const int64_t *src_strides, char *dst, const int64_t *dst_strides,
+                       int64_t size, int64_t first, int64_t count) noexcept nogil:
+    """dst[i] = src[i] (byte strides; elements of `size` bytes) for the indices of `sizes` in
+    runs first..first+count - 1 (copy_runs): an operand into or out of its temporary.  Runs lie
+    along dst's innermost dim and go in dst's memory order, so that the writes are sequential
+    and threads can take runs of their own."""
+    cdef int order[MAX_DIMS]
+    cdef int64_t idx[MAX_DIMS]
+    cdef int64_t r, rem, s_off = 0, d_off = 0
+    cdef int d, i, inner
+    if count <= 0:
+        return
+    _copy_order(ndim, sizes, dst_strides, order)
+    inner = order[ndim - 1]
+    rem = first
+    for i in range(ndim - 2, -1, -1):           # run `first` as an index of the outer dims
+        d = order[i]
+        idx[i] = rem % sizes[d]
+        rem //= sizes[d]
+        s_off += idx[i] * src_strides[d]
+        d_off += idx[i] * dst_strides[d]
+    for r in range(count):
+        _copy_run(dst + d_off, dst_strides[inner], src + s_off, src_strides[inner],
+                  sizes[inner], size)
+        i = ndim - 2
+        while i >= 0:                            # the next run: count on the outer dims
+            d = order[i]
+            idx[i] += 1
             s_off += src_strides[d]
             d_off += dst_strides[d]
-            if idx[d] < sizes[d]:
+            if idx[i] < sizes[d]:
                 break
-            s_off -= idx[d] * src_strides[d]
-            d_off -= idx[d] * dst_strides[d]
-            idx[d] = 0
-            d -= 1
-        if d < 0:
-            return
+            s_off -= idx[i] * src_strides[d]
+            d_off -= idx[i] * dst_strides[d]
+            idx[i] = 0
+            i -= 1
 
 
 cdef int _build(Plan *p, const Layout *l) noexcept nogil:
@@ -105,6 +172,13 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
     cdef int t, rc
     cdef bint temp[N_BIG]
     cdef bint any_temp = False
+    cdef int64_t given[N_SLOTS * MAX_DIMS]
+    cdef bint gathered[2]
+    cdef int64_t gathered_bytes = 0
+    # From here on, x and dy are read where they lie or from their gathered temporaries.
+    memcpy(given, strides, N_SLOTS * MAX_DIMS * sizeof(int64_t))
+    _choose_gathering(given, ndim, sizes, reduced, big_dtype, gathered, &gathered_bytes)
+    strides = given
     memcpy(s, strides, N_SLOTS * MAX_DIMS * sizeof(int64_t))
     for t in range(2, N_BIG):
         temp[t] = False
@@ -119,6 +193,7 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
             temp[t] = True
             any_temp = True
     if not any_temp:
+        _mark_gathered(p, &l.strides[0][0], given, gathered, gathered_bytes)
         return 0       # every operand adds nothing to what x and dy decide (in place too)
 
     # Which of those really change the order: compare with the plan of x and dy alone.
@@ -153,6 +228,7 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
     _clear_temps(p, ndim, sizes, present)
     if rc != 0:
         return rc
+    _mark_gathered(p, &l.strides[0][0], given, gathered, gathered_bytes)
     for t in range(2, N_BIG):
         if temp[t]:
             p.via_temp[t] = True
@@ -161,6 +237,83 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
                     &p.temp_bytes[t])
             memcpy(p.temp_strides[t], &s[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
     return 0
+
+
+cdef bint _channels_innermost(const int64_t *s, int ndim, const int64_t *sizes,
+                              const unsigned char *reduced, int t,
+                              int64_t *chan) noexcept nogil:
+    """Whether operand t's channel dims (of size > 1) merge into one whose |stride| is below
+    every reduced dim's (of size > 1): its channels are its innermost dim. chan: that stride
+    (bytes)."""
+    cdef int d, last = -1
+    cdef int64_t step = 0
+    for d in range(ndim - 1, -1, -1):
+        if sizes[d] == 1 or reduced[d]:
+            continue
+        if last >= 0 and s[t * MAX_DIMS + d] != sizes[last] * s[t * MAX_DIMS + last]:
+            return False
+        if last < 0:
+            step = s[t * MAX_DIMS + d]
+        last = d
+    if last < 0:
+        return False        # one channel: nothing to gather
+    for d in range(ndim):
+        if reduced[d] and sizes[d] != 1 and _abs(s[t * MAX_DIMS + d]) <= _abs(step):
+            return False
+    chan[0] = step
+    return True
+
+
+cdef void _choose_gathering(int64_t *s, int ndim, const int64_t *sizes,
+                            const unsigned char *reduced, int big_dtype, bint gathered[2],
+                            int64_t *nbytes) noexcept nogil:
+    """Where x's channels are its innermost dim but not at unit stride, rows S_X and S_DY of s
+    become a dense channel-last layout (channels at unit stride in logical order, the reduced
+    dims ordered as x's, outermost = largest |x stride|, logical order on ties) for those of x
+    and dy whose channels are not already at unit stride: gathered[t] says which, nbytes the
+    temporary's size."""
+    cdef int64_t size = itemsize(big_dtype), step, chan
+    cdef int order[MAX_DIMS]
+    cdef int n = 0, d, i, t
+    cdef int64_t dense[MAX_DIMS]
+    gathered[0] = gathered[1] = False
+    if not _channels_innermost(s, ndim, sizes, reduced, S_X, &chan):
+        return
+    for t in range(2):
+        gathered[t] = not (_channels_innermost(s, ndim, sizes, reduced, t, &chan)
+                           and chan == size)
+    if not (gathered[0] or gathered[1]):
+        return
+    step = size
+    for d in range(ndim - 1, -1, -1):        # the channels, innermost
+        if not reduced[d]:
+            dense[d] = step
+            step *= sizes[d]
+    for d in range(ndim):                    # the reduced dims, outermost first
+        if reduced[d]:
+            order[n] = d
+            n += 1
+    _outermost_first(&s[S_X * MAX_DIMS], order, n)
+    for i in range(n - 1, -1, -1):
+        dense[order[i]] = step
+        step *= sizes[order[i]]
+    for t in range(2):
+        if gathered[t]:
+            memcpy(&s[t * MAX_DIMS], dense, ndim * sizeof(int64_t))
+    nbytes[0] = step
+
+
+cdef void _mark_gathered(Plan *p, const int64_t *strides, const int64_t *given,
+                         const bint gathered[2], int64_t nbytes) noexcept nogil:
+    """Records in the final plan that x and dy (gathered[t]) are read from their temporaries."""
+    cdef int t
+    for t in range(2):
+        if gathered[t]:
+            p.via_temp[t] = True
+            p.temp_low[t] = 0
+            p.temp_bytes[t] = nbytes
+            memcpy(p.given_strides[t], &strides[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
+            memcpy(p.temp_strides[t], &given[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
 
 
 cdef void _clear_temps(Plan *p, int ndim, const int64_t *sizes,
@@ -209,21 +362,14 @@ cdef void _like_x(int64_t *s, int ndim, const int64_t *sizes, int t, int big_dty
     cdef int order[MAX_DIMS]
     cdef int64_t ts = _operand_size(t, big_dtype, mask_dtype), bs = itemsize(big_dtype)
     cdef int64_t size = ts, lo = 0
-    cdef int d, i, j, tmp
+    cdef int d, i
     if not dense:
         for d in range(ndim):
             s[t * MAX_DIMS + d] = s[S_X * MAX_DIMS + d] // bs * ts
         return
     for d in range(ndim):
         order[d] = d
-    for i in range(1, ndim):
-        j = i
-        while j > 0 and _abs(s[S_X * MAX_DIMS + order[j - 1]]) < \
-                _abs(s[S_X * MAX_DIMS + order[j]]):
-            tmp = order[j - 1]
-            order[j - 1] = order[j]
-            order[j] = tmp
-            j -= 1
+    _outermost_first(&s[S_X * MAX_DIMS], order, ndim)
     for i in range(ndim - 1, -1, -1):
         d = order[i]
         if s[S_X * MAX_DIMS + d] < 0 and s[S_DY * MAX_DIMS + d] < 0:
