@@ -197,3 +197,23 @@ def test_gathered_inputs_match_the_float64_reference(rng):
     np.testing.assert_allclose(
         dx, stats[2] * r * (g - g.sum(axis=axes) / m - xhat * (g * xhat).sum(axis=axes) / m),
         rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("hx, hdy", [("step2", "step2"), ("dense", "step2"), ("step2", "dense")])
+def test_outputs_in_place_over_gathered_inputs(rng, hx, hdy):
+    """dx written over dy, and the forward's y over x, where either is gathered: the inputs are
+    read whole before any output reaches the caller's memory, so the results are the
+    out-of-place call's."""
+    x, dy, _, stats = _problem(rng, (1100, 40), np.float32)
+    for threads in (1, 2, 3):
+        want = _backward(_arrays.TRAINING, x, dy, stats, threads)
+        held = _view(dy, hdy)
+        got = _backward(_arrays.TRAINING, _view(x, hx), held, stats, threads,
+                        out=(held, np.empty_like(stats[0]), np.empty_like(stats[0])))
+        for a, b in zip(got, want):
+            _same(a, b)
+        want = _forward(x, stats, True, threads)
+        held = _view(x, hx)
+        out = (held,) + tuple(np.empty_like(s) for s in stats[:2] + stats[:2])
+        for a, b in zip(_forward(held, stats, True, threads, out=out), want):
+            _same(a, b)
