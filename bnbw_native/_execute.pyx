@@ -746,7 +746,7 @@ cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, c
 cdef void _copy(const Plan *p, int nt, const char *src, const int64_t *src_strides, char *dst,
                 const int64_t *dst_strides, int64_t size) noexcept nogil:
     """An operand into or out of its temporary, on the call's threads, each a run of its own."""
-    cdef int64_t runs = copy_runs(p.ndim, p.sizes, dst_strides)
+    cdef int64_t runs = copy_runs(p.ndim, p.sizes, src_strides, dst_strides)
     cdef int t
     if nt > runs:
         nt = <int> runs

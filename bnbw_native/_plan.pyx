@@ -10,7 +10,10 @@ BLOCK elements, or of rows of channels) that never depend on the thread count.
 
 The visiting order of x and dy decides how the sums round, so it depends on x and dy only: an
 output (dx, the residual gradient) or a mask whose layout would change it goes through a dense
-temporary laid out like x instead (built here, filled and emptied by the schedules' execute).
+temporary laid out like x instead (built here, filled and emptied by the schedules' execute),
+and so does one whose elements along a row lie a cache line or more apart (an NXC dx of an NCX
+x): the kernels would reach each of them as a line of its own, the copy reaches them in its
+own memory order.
 Where x's channels are its innermost dim but not at unit stride (a view of every other channel,
 channels reversed), x, and dy unless its channels already lie at unit stride, are read from
 dense channel-last temporaries (gathered; the same bits as a dense channel-last call): visited in
@@ -34,6 +37,8 @@ cdef enum:
                           # channel) stay within 1/64 of x and dy (f32)
     LAST_MAX_ROWS = 1024  # ... and at most this many: narrow rows still make blocks enough
                           # for many threads
+    SCATTERED_STRIDE = 64 # bytes: an output, mask or residual gradient whose elements lie this
+                          # far apart along a row goes through a temporary (_scattered)
 
 BLOCK_ELEMENTS = BLOCK
 
@@ -96,28 +101,39 @@ cdef void _outermost_first(const int64_t *strides, int *order, int n) noexcept n
             j -= 1
 
 
-cdef int _copy_order(int ndim, const int64_t *sizes, const int64_t *dst_strides,
-                     int *order) noexcept nogil:
-    """order: the dims outermost first by |dst stride| (logical order on ties); returns the
+cdef int _copy_order(int ndim, const int64_t *sizes, const int64_t *src_strides,
+                     const int64_t *dst_strides, int *order) noexcept nogil:
+    """order: the dims outermost first by |dst stride| (logical order on ties), except that
+    src's innermost dim (of more than one element), when it is not dst's, comes right outside
+    dst's: consecutive runs then read the same lines of src, one element further.  Returns the
     number of runs along the innermost (the product of the other sizes)."""
-    cdef int d, i
+    cdef int d, i, across = -1
     cdef int64_t runs = 1
     for d in range(ndim):
         order[d] = d
+        if sizes[d] > 1 and (across < 0 or _abs(src_strides[d]) < _abs(src_strides[across])):
+            across = d
     _outermost_first(dst_strides, order, ndim)
+    for i in range(ndim - 2):
+        if order[i] == across:                 # (a stable move: the others keep their order)
+            for d in range(i, ndim - 2):
+                order[d] = order[d + 1]
+            order[ndim - 2] = across
+            break
     for i in range(ndim - 1):
         runs *= sizes[order[i]]
     return runs
 
 
-cdef int64_t copy_runs(int ndim, const int64_t *sizes, const int64_t *dst_strides) noexcept nogil:
+cdef int64_t copy_runs(int ndim, const int64_t *sizes, const int64_t *src_strides,
+                       const int64_t *dst_strides) noexcept nogil:
     """How many runs copy_strided cuts the index space of `sizes` into (0 when it is empty)."""
     cdef int order[MAX_DIMS]
     cdef int d
     for d in range(ndim):
         if sizes[d] == 0:
             return 0
-    return _copy_order(ndim, sizes, dst_strides, order)
+    return _copy_order(ndim, sizes, src_strides, dst_strides, order)
 
 
 cdef void copy_strided(int ndim, const int64_t *sizes, const char *src,
@@ -125,15 +141,15 @@ cdef void copy_strided(int ndim, const int64_t *sizes, const char *src,
                        int64_t size, int64_t first, int64_t count) noexcept nogil:
     """dst[i] = src[i] (byte strides; elements of `size` bytes) for the indices of `sizes` in
     runs first..first+count - 1 (copy_runs): an operand into or out of its temporary.  Runs lie
-    along dst's innermost dim and go in dst's memory order, so that the writes are sequential
-    and threads can take runs of their own."""
+    along dst's innermost dim and go in dst's memory order (_copy_order), so that the writes
+    are sequential and threads can take runs of their own."""
     cdef int order[MAX_DIMS]
     cdef int64_t idx[MAX_DIMS]
     cdef int64_t r, rem, s_off = 0, d_off = 0
     cdef int d, i, inner
     if count <= 0:
         return
-    _copy_order(ndim, sizes, dst_strides, order)
+    _copy_order(ndim, sizes, src_strides, dst_strides, order)
     inner = order[ndim - 1]
     rem = first
     for i in range(ndim - 2, -1, -1):           # run `first` as an index of the outer dims
@@ -171,6 +187,7 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
     cdef Plan probe
     cdef int t, rc
     cdef bint temp[N_BIG]
+    cdef bint scattered[N_BIG]
     cdef bint any_temp = False
     cdef int64_t given[N_SLOTS * MAX_DIMS]
     cdef bint gathered[2]
@@ -189,7 +206,9 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
     if rc != 0 or p.empty:
         return rc
     for t in range(2, N_BIG):
-        if present[t] and not _follows(s, ndim, sizes, t, big_dtype, mask_dtype):
+        scattered[t] = present[t] and _scattered(p, t)
+        if scattered[t] or (present[t] and not _follows(s, ndim, sizes, t, big_dtype,
+                                                        mask_dtype)):
             temp[t] = True
             any_temp = True
     if not any_temp:
@@ -205,7 +224,9 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
         plan_free(p)
         return rc
     for t in range(2, N_BIG):
-        if temp[t]:
+        if scattered[t]:
+            _like_x(s, ndim, sizes, t, big_dtype, mask_dtype, True, NULL, NULL)
+        elif temp[t]:
             memcpy(&s[t * MAX_DIMS], &strides[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
             rc = _layout(&probe, ndim, sizes, reduced, s, big_dtype, mask_dtype, stat_dtype)
             if rc != 0:
@@ -237,6 +258,13 @@ cdef int _build(Plan *p, const Layout *l) noexcept nogil:
                     &p.temp_bytes[t])
             memcpy(p.temp_strides[t], &s[t * MAX_DIMS], MAX_DIMS * sizeof(int64_t))
     return 0
+
+
+cdef bint _scattered(const Plan *p, int t) noexcept nogil:
+    """Whether the kernels would reach operand t's elements along a row (a channel-major row,
+    or the channels of a channel-last call) a cache line or more apart: each element read or
+    written would be a line of its own, evicted before its neighbours come."""
+    return p.inner_size > 1 and _abs(p.inner_stride[t]) >= SCATTERED_STRIDE
 
 
 cdef bint _channels_innermost(const int64_t *s, int ndim, const int64_t *sizes,

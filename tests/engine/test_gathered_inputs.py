@@ -11,6 +11,10 @@ storage type and bool and the residual's gradient, the frozen backward and the t
 blocked and exact sums; on every kernel body, at 1, 2 and 3 threads, in f32, f16 and bf16,
 with rows on both sides of a channel-last block's edge.  Outputs given as strided views keep
 their gaps, and a float64 reference checks the results are right, not only equal.
+
+The other way round, an output (or a mask) whose elements lie a cache line or more apart along
+the rows the kernels walk (an NXC dx of an NCX x, an NCX y of an NXC x) goes through a
+temporary laid out like x, copied out in its own memory order: the same bits again.
 """
 import itertools
 
@@ -217,3 +221,49 @@ def test_outputs_in_place_over_gathered_inputs(rng, hx, hdy):
         out = (held,) + tuple(np.empty_like(s) for s in stats[:2] + stats[:2])
         for a, b in zip(_forward(held, stats, True, threads, out=out), want):
             _same(a, b)
+
+
+def _other_layout(a, data_format):
+    """A zeroed array of a's logical shape whose memory puts the channels the other way:
+    channels last for NCX, first for NXC (as a transposed view of a dense array)."""
+    perm = (0,) + tuple(range(2, a.ndim)) + (1,) if data_format == "NCX" else \
+        (0, a.ndim - 1) + tuple(range(1, a.ndim - 1))
+    return np.zeros(tuple(a.shape[i] for i in perm), a.dtype).transpose(np.argsort(perm))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape, data_format", [((3, 40, 5, 7), "NCX"), ((2, 33, 130), "NCX"),
+                                                ((3, 5, 7, 40), "NXC"), ((2, 130, 33), "NXC")],
+                         ids=str)
+def test_scattered_outputs_are_the_dense_call(rng, dtype, shape, data_format):
+    C = shape[1] if data_format == "NCX" else shape[-1]
+    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32).astype(dtype)
+    dy = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    stats = [rng.standard_normal(C).astype(np.float32), (rng.random(C) + 0.5).astype(np.float32),
+             rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)]
+    mean, var, gamma = stats[3], stats[1], stats[2]
+    for body in bodies():
+        with kernels(body):
+            for threads in (1, 2, 3):
+                want = _arrays.forward(FORWARD, x, *stats, EPS, 0.1, data_format, True, None,
+                                       threads, torch_running=True)
+                y = _other_layout(x, data_format)
+                out = (y,) + tuple(np.empty_like(s) for s in stats[:2] + stats[:2])
+                got = _arrays.forward(FORWARD, x, *stats, EPS, 0.1, data_format, True, out,
+                                      threads, torch_running=True)
+                for a, b in zip(got, want):
+                    _same(a, b)
+                mask = _other_layout(x, data_format).astype(bool)
+                mask[...] = want[0] > 0
+                dres = [np.empty_like(dy), _other_layout(dy, data_format)]
+                want = _arrays.backward(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, EPS,
+                                        data_format, None, threads, relu_dst=want[0] > 0,
+                                        diff_residual=dres[0])
+                dx = _other_layout(x, data_format)
+                got = _arrays.backward(GRAPH, _arrays.TRAINING, x, dy, mean, var, gamma, EPS,
+                                       data_format, (dx, np.empty(C, np.float32),
+                                                     np.empty(C, np.float32)),
+                                       threads, relu_dst=mask, diff_residual=dres[1])
+                for a, b in zip(got, want):
+                    _same(a, b)
+                _same(dres[1], dres[0])
