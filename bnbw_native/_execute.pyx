@@ -721,7 +721,7 @@ cdef int execute(const Plan *p, const Schedule *s, const bnbw_kernel_table *k, c
     for t in range(N_BIG):
         if p.via_temp[t] and slots[t] != NULL:
             if t == S_DY and _same_operand(p, slots, ptr):
-                slots[S_DY] = slots[S_X]      # the forward's x, packed once
+                slots[S_DY] = slots[S_X]      # the forward's x, gathered once
                 continue
             temp[t] = <char *> malloc(p.temp_bytes[t])
             if temp[t] == NULL:
