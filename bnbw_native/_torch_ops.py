@@ -200,11 +200,13 @@ def _f32(p):
 # ---- forward -----------------------------------------------------------------------------
 
 def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, updated=None,
-             residual=None):
+             residual=None, numpy_statistics=False):
     """(y, batch mean, biased batch variance, element count per channel, the batch mean's low
     part) of a training batch norm; with `running` (running_mean, running_var), their update
     written to `updated` (the same tensors: in place).  residual (relu, no group; x's shape,
-    type and strides): y = max(bn(x) + residual, 0) in the pass that writes y."""
+    type and strides): y = max(bn(x) + residual, 0) in the pass that writes y.
+    numpy_statistics: the three statistics as NumPy arrays, not tensors (no group), for a caller
+    that keeps them for its own backward: a tensor costs about 1 us more to make and to read."""
     channels = x.shape[1]
     nt = threads(num_threads)
     if group:
@@ -214,9 +216,12 @@ def _forward(x, weight, bias, running, factor, eps, relu, group, num_threads, up
         raise ValueError("batch norm in training mode needs at least one value per "
                          f"channel; got input of shape {tuple(x.shape)}")
     y = torch.empty_like(x)
-    mean = torch.empty(channels, dtype=torch.float32)
-    var = torch.empty_like(mean)
-    mean_low = torch.empty_like(mean)
+    if numpy_statistics:
+        mean, var, mean_low = (np.empty(channels, np.float32) for _ in range(3))
+    else:
+        mean = torch.empty(channels, dtype=torch.float32)
+        var = torch.empty_like(mean)
+        mean_low = torch.empty_like(mean)
     if running is None:       # the old statistics are placeholders, the new ones dropped
         old = np.zeros(channels, np.float32)
         running, updated = (old, old), (np.empty_like(old), np.empty_like(old))
@@ -256,7 +261,7 @@ def _running(running_mean, running_var):
 
 
 def _forward_added(x, weight, bias, running, factor, eps, relu, group, num_threads, updated,
-                   residual):
+                   residual, numpy_statistics=False):
     """_forward, then - with a residual (relu, no group) - max(y + residual, 0): in the pass
     that writes y when the residual can be read in x's layout (copied into it first if x is
     dense), else as torch ops after it."""
@@ -265,7 +270,8 @@ def _forward_added(x, weight, bias, running, factor, eps, relu, group, num_threa
         fused = None                  # (x not dense, the residual laid out otherwise)
     y, mean, var, count, mean_low = _forward(x, weight, bias, running, factor, eps,
                                              relu and (residual is None or fused is not None),
-                                             group, num_threads, updated, fused)
+                                             group, num_threads, updated, fused,
+                                             numpy_statistics)
     if residual is not None and fused is None:
         y.add_(residual).relu_()
     return y, mean, var, count, mean_low
@@ -589,7 +595,8 @@ class EagerLayerStep(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual, running, options):
         factor, eps, relu, group, num_threads = options       # (few arguments: apply is faster)
         y, mean, var, _, mean_low = _forward_added(x, weight, bias, running, factor, eps, relu,
-                                                   group, num_threads, running, residual)
+                                                   group, num_threads, running, residual,
+                                                   numpy_statistics=True)
         if running is not None and not group:    # written by the kernel, as by torch's op
             torch.autograd.graph.increment_version(running)
         ctx.save_for_backward(x, weight, y if relu else None)
@@ -646,7 +653,10 @@ def _plain(*tensors):
     """Whether every tensor given is a plain tensor (or None), whose memory the kernels read in
     place: a subclass (FakeTensor, a wrapper of other tensors) goes through the dispatcher,
     which gives it to the subclass's own rules."""
-    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
+    for t in tensors:       # (a loop: all() over a generator cost 1 us a call)
+        if t is not None and type(t) not in _PLAIN_TYPES:
+            return False
+    return True
 
 
 def train(x, weight, bias, running_mean, running_var, momentum, batches_tracked, eps, relu,

@@ -220,33 +220,44 @@ class BatchNorm(torch.nn.Module):
             return torch.relu(self._train(x, group, False, None) + residual)
         return self._train(x, group, self._relu, residual)
 
+    def _state(self) -> Tuple[Any, Any, Any, Any, Any]:
+        """(weight, bias, running_mean, running_var, num_batches_tracked), read from the
+        module's dicts: five attribute reads through torch.nn.Module.__getattr__ cost 2-3 us a
+        step.  A parametrized or otherwise replaced attribute is read as an attribute."""
+        try:
+            params, buffers = self._parameters, self._buffers
+            return (params["weight"], params["bias"], buffers["running_mean"],
+                    buffers["running_var"], buffers["num_batches_tracked"])
+        except KeyError:
+            return (self.weight, self.bias, self.running_mean, self.running_var,
+                    self.num_batches_tracked)
+
     def _train(self, x: torch.Tensor, group: str, relu: bool,
                residual: Optional[torch.Tensor]) -> torch.Tensor:
-        running_mean, running_var = None, None
-        if self.track_running_stats:
+        weight, bias, running_mean, running_var, batches = self._state()
+        if not self.track_running_stats:
+            running_mean = running_var = None
+        else:
             if (torch._C._are_functorch_transforms_active()    # (vmap's tensors exist only then)
-                    and any(_batched(t) for t in (x, self.weight, self.bias) if t is not None)):
+                    and any(_batched(t) for t in (x, weight, bias) if t is not None)):
                 raise RuntimeError(
                     "vmap over a batch norm that updates its running statistics: they are not "
                     "batched and cannot take one update per entry; make the layer with "
                     "track_running_stats=False (as for torch.nn.BatchNorm2d under vmap)")
             if self.momentum is not None and not 0.0 <= self.momentum <= 1.0:
                 raise ValueError(f"momentum must be None or in [0, 1], got {self.momentum}")
-            self.num_batches_tracked.add_(1)
-            running_mean, running_var = self.running_mean, self.running_var
+            batches.add_(1)
         if running_mean is not None and running_mean.dtype != torch.float32:
             # the kernels keep float32 statistics: update float32 copies, then store them back
             kept = (running_mean, running_var)
             running_mean, running_var = running_mean.float(), running_var.float()
-            y = _torch_ops.train(x, self.weight, self.bias, running_mean, running_var,
-                                 self.momentum, self.num_batches_tracked, self.eps, relu, group,
-                                 self.num_threads, residual)
+            y = _torch_ops.train(x, weight, bias, running_mean, running_var, self.momentum,
+                                 batches, self.eps, relu, group, self.num_threads, residual)
             kept[0].copy_(running_mean)        # (the statistics take no gradient)
             kept[1].copy_(running_var)
             return y
-        return _torch_ops.train(x, self.weight, self.bias, running_mean, running_var,
-                                self.momentum, self.num_batches_tracked, self.eps, relu, group,
-                                self.num_threads, residual)
+        return _torch_ops.train(x, weight, bias, running_mean, running_var, self.momentum,
+                                batches, self.eps, relu, group, self.num_threads, residual)
 
     def _torch_forward(self, x: torch.Tensor, relu: bool) -> torch.Tensor:
         """torch.nn.BatchNorm2d's forward (then ReLU when relu)."""

@@ -80,6 +80,29 @@ def test_gradients_match_batchnorm2d(channels_last):
     assert int(ours.num_batches_tracked) == 1
 
 
+def test_parametrized_weight_is_read_as_an_attribute():
+    # a parametrization takes the weight out of the module's parameter dict (a property
+    # computes it): the layer reads it so, as torch's does, and the gradient reaches the
+    # original through it
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    x, g = data((6, 5, 4, 3), seed=3)
+    ours, ref = pair(5)
+    for layer in (ours, ref):
+        parametrize.register_parametrization(layer, "weight", Doubled())
+    got, want = run(ours, x, g), run(ref, x, g)
+    for name, a, b in zip(("y", "dx"), got, want):
+        assert rel_err(a, b) <= 1e-5, name
+    assert rel_err(ours.parametrizations.weight.original.grad,
+                   ref.parametrizations.weight.original.grad) <= 1e-5
+    assert rel_err(ours.running_var, ref.running_var) <= 1e-6
+    assert int(ours.num_batches_tracked) == 1
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
 @pytest.mark.parametrize("offset", [0.0, 1e3, 1e5])
 def test_batch_statistics_are_float64_accurate(channels_last, offset):
@@ -272,7 +295,8 @@ def test_each_pass_hands_the_tensors_themselves_to_one_native_call(monkeypatch, 
                 **kw):
             # addresses, not the tensors: holding dx would stop autograd taking it as x.grad
             _seen.append(([a.data_ptr() if torch.is_tensor(a) else a for a in args[:_out]],
-                          [t.data_ptr() for t in args[_out]], kw))
+                          [t.data_ptr() if torch.is_tensor(t) else t.ctypes.data
+                           for t in args[_out]], kw))     # (eager statistics: NumPy)
             return _native(*args, **kw)
 
         monkeypatch.setattr(ops, name, spy)
