@@ -276,36 +276,74 @@ cdef void _scatter(const Work *w, int slot, const double *values) noexcept nogil
             store_stat(w.ptr[slot], w.p.stat_dtype, chan_origin(w.p, slot, c), values[c])
 
 
+# The constants of a run of channels are computed from local arrays into local arrays: the
+# compiler then knows nothing aliases and computes two channels a vector (SSE2, NEON), which
+# doubles the divider's rate - divisions and square roots are most of a channel's cost, and
+# each lane rounds exactly as a scalar does.
+
 cdef void _backward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
     cdef float var[STAT_RUN]
     cdef float scale[STAT_RUN]
     cdef float mean_low[STAT_RUN]
-    cdef int64_t r, c0, c, n
+    cdef double sum_g[STAT_RUN]
+    cdef double sum_xg[STAT_RUN]
+    cdef float k1[STAT_RUN]
+    cdef float k2[STAT_RUN]
+    cdef float k3[STAT_RUN]
+    cdef double dscale[STAT_RUN]
+    cdef double dbias[STAT_RUN]
+    cdef int64_t r, c0, i, n
+    cdef int op = w.op
+    cdef double count = w.count, eps = w.eps
     for r in range((hi - lo + STAT_RUN - 1) // STAT_RUN):
         c0 = lo + r * STAT_RUN
         n = imin(STAT_RUN, hi - c0)
         _gather(w, S_VAR, c0, n, 1.0, var)
         _gather(w, S_SCALE, c0, n, 1.0, scale)
         _gather(w, S_MEAN_LOW, c0, n, 0.0, mean_low)
-        for c in range(c0, c0 + n):
-            coefficients(w.op, w.sums[2 * c], w.sums[2 * c + 1], w.count, var[c - c0],
-                         scale[c - c0], w.eps, mean_low[c - c0], &w.k1[c], &w.k2[c], &w.k3[c],
-                         &w.dscale[c], &w.dbias[c])
+        for i in range(n):
+            sum_g[i] = w.sums[2 * (c0 + i)]
+            sum_xg[i] = w.sums[2 * (c0 + i) + 1]
+        for i in range(n):
+            coefficients(op, sum_g[i], sum_xg[i], count, var[i], scale[i], eps, mean_low[i],
+                         &k1[i], &k2[i], &k3[i], &dscale[i], &dbias[i])
+        memcpy(w.k1 + c0, k1, n * sizeof(float))
+        memcpy(w.k2 + c0, k2, n * sizeof(float))
+        memcpy(w.k3 + c0, k3, n * sizeof(float))
+        memcpy(w.dscale + c0, dscale, n * sizeof(double))
+        memcpy(w.dbias + c0, dbias, n * sizeof(double))
 
 
 cdef void _forward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
     cdef float scale[STAT_RUN]
     cdef float beta[STAT_RUN]
-    cdef int64_t r, c0, c, n
+    cdef float shift[STAT_RUN]
+    cdef double s1[STAT_RUN]
+    cdef double s2[STAT_RUN]
+    cdef float mean_hi[STAT_RUN]
+    cdef float k[STAT_RUN]
+    cdef float b[STAT_RUN]
+    cdef double mean[STAT_RUN]
+    cdef double var[STAT_RUN]
+    cdef int64_t r, c0, i, n
+    cdef double count = w.count, eps = w.eps
     for r in range((hi - lo + STAT_RUN - 1) // STAT_RUN):
         c0 = lo + r * STAT_RUN
         n = imin(STAT_RUN, hi - c0)
         _gather(w, S_SCALE, c0, n, 1.0, scale)
         _gather(w, S_BETA, c0, n, 0.0, beta)
-        for c in range(c0, c0 + n):
-            forward_coefficients(w.mean[c], w.sums[2 * c], w.sums[2 * c + 1], w.count,
-                                 scale[c - c0], beta[c - c0], w.eps, &w.mean[c], &w.k[c],
-                                 &w.b[c], &w.batch_mean[c], &w.batch_var[c])
+        memcpy(shift, w.mean + c0, n * sizeof(float))
+        for i in range(n):
+            s1[i] = w.sums[2 * (c0 + i)]
+            s2[i] = w.sums[2 * (c0 + i) + 1]
+        for i in range(n):
+            forward_coefficients(shift[i], s1[i], s2[i], count, scale[i], beta[i], eps,
+                                 &mean_hi[i], &k[i], &b[i], &mean[i], &var[i])
+        memcpy(w.mean + c0, mean_hi, n * sizeof(float))
+        memcpy(w.k + c0, k, n * sizeof(float))
+        memcpy(w.b + c0, b, n * sizeof(float))
+        memcpy(w.batch_mean + c0, mean, n * sizeof(double))
+        memcpy(w.batch_var + c0, var, n * sizeof(double))
 
 
 cdef enum:

@@ -17,26 +17,28 @@ cdef inline void coefficients(int op, double sum_g, double sum_xg, double count,
     exact batch mean) moves the rest into the sums and k3: Sum (x - m - mean_low) dy =
     sum_xg - mean_low * sum_g, and k2*(x - m - mean_low) + k3 = k2*(x - m) + (k3 - k2*mean_low).
     An empty batch (M = 0) has zero parameter gradients, whatever the statistics hold."""
+    # (each output is chosen in a local and stored once: with no store under a condition, a
+    # loop over channels computes two of them a vector)
     cdef double r = 1.0 / sqrt(<double> var + eps)
     cdef double sr = <double> scale * r
     cdef double low = mean_low
+    cdef double ds = 0.0, db = 0.0
+    cdef float c2 = 0.0, c3 = 0.0
     if low != 0:                # (never 0 * inf: a mean without a low part changes nothing)
         sum_xg = sum_xg - low * sum_g
     if count > 0:
-        dbias[0] = sum_g
-        dscale[0] = r * sum_xg
-    else:
-        dbias[0] = 0.0
-        dscale[0] = 0.0
-    k1[0] = <float> sr
+        db = sum_g
+        ds = r * sum_xg
     if op & OP_TRAINING and count > 0:
-        k2[0] = <float> (-sr * r * dscale[0] / count)
-        k3[0] = <float> (-sr * sum_g / count)
+        c2 = <float> (-sr * r * ds / count)
+        c3 = <float> (-sr * sum_g / count)
         if low != 0:
-            k3[0] = <float> (-sr * sum_g / count - <double> k2[0] * low)
-    else:
-        k2[0] = 0.0
-        k3[0] = 0.0
+            c3 = <float> (-sr * sum_g / count - <double> c2 * low)
+    dbias[0] = db
+    dscale[0] = ds
+    k1[0] = <float> sr
+    k2[0] = c2
+    k3[0] = c3
 
 
 # A channel whose mean lies more than sqrt(RECENTRE) standard deviations from its shift would
@@ -70,13 +72,19 @@ cdef inline void forward_coefficients(float shift, double s1, double s2, double 
     scale*r overflows float32 (inf*0 would be NaN)."""
     cdef double off = s1 / count
     cdef double m2 = s2 - s1 * off
-    mean[0] = shift + off
-    var[0] = (0.0 if m2 < 0 else m2) / count
-    k[0] = <float> (scale * (1.0 / sqrt(var[0] + eps)))
-    if var[0] == 0.0 and scale - scale == 0:
-        k[0] = 0.0
-    mean_hi[0] = <float> mean[0]
-    b[0] = <float> (beta - <double> k[0] * (mean[0] - <double> mean_hi[0]))
+    cdef double m = shift + off
+    cdef double v = (0.0 if m2 < 0 else m2) / count
+    # k = 0 where var = 0 and the scale is finite, as 0 * r (r = 1/sqrt(eps) is finite there):
+    # a select, not a branch around the square root, so a loop over channels takes two a vector
+    cdef double sc = scale
+    cdef double kept = 0.0 if (v == 0.0) & (sc - sc == 0) else sc
+    cdef float kk = <float> (kept * (1.0 / sqrt(v + eps)))
+    cdef float hi = <float> m
+    mean[0] = m
+    var[0] = v
+    k[0] = kk
+    mean_hi[0] = hi
+    b[0] = <float> (beta - <double> kk * (m - <double> hi))
 
 
 cdef inline double running_statistic(double old, double batch, double momentum, double count,
