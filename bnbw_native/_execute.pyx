@@ -988,6 +988,12 @@ cdef void _store_mean_low(const Work *w) noexcept nogil:
     cdef int64_t c
     cdef char rounded[8]
     cdef double m, low
+    cdef float *plain = f32_channels(p, w.ptr[S_MEAN_LOW], S_MEAN_LOW, p.stat_dtype)
+    if plain != NULL and w.count > 0:        # (the same rounding as store_stat's, in a plain loop)
+        for c in range(p.channels):
+            low = w.batch_mean[c] - <double> <float> w.batch_mean[c]
+            plain[c] = <float> (low if low - low == 0 else 0.0)
+        return
     for c in range(p.channels):
         m = w.batch_mean[c] if w.count > 0 else 0.0
         store_stat(rounded, p.stat_dtype, 0, m)
