@@ -281,6 +281,15 @@ cdef void _scatter(const Work *w, int slot, const double *values) noexcept nogil
 # doubles the divider's rate - divisions and square roots are most of a channel's cost, and
 # each lane rounds exactly as a scalar does.
 
+cdef inline void _channel_sums(const Work *w, int64_t c0, int64_t n, double *first,
+                               double *second) noexcept nogil:
+    """Channels [c0, c0 + n)'s two sums, each in an array of its own."""
+    cdef int64_t i
+    for i in range(n):
+        first[i] = w.sums[2 * (c0 + i)]
+        second[i] = w.sums[2 * (c0 + i) + 1]
+
+
 cdef void _backward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nogil:
     cdef float var[STAT_RUN]
     cdef float scale[STAT_RUN]
@@ -301,9 +310,7 @@ cdef void _backward_constants(const Work *w, int64_t lo, int64_t hi) noexcept no
         _gather(w, S_VAR, c0, n, 1.0, var)
         _gather(w, S_SCALE, c0, n, 1.0, scale)
         _gather(w, S_MEAN_LOW, c0, n, 0.0, mean_low)
-        for i in range(n):
-            sum_g[i] = w.sums[2 * (c0 + i)]
-            sum_xg[i] = w.sums[2 * (c0 + i) + 1]
+        _channel_sums(w, c0, n, sum_g, sum_xg)
         for i in range(n):
             coefficients(op, sum_g[i], sum_xg[i], count, var[i], scale[i], eps, mean_low[i],
                          &k1[i], &k2[i], &k3[i], &dscale[i], &dbias[i])
@@ -333,9 +340,7 @@ cdef void _forward_constants(const Work *w, int64_t lo, int64_t hi) noexcept nog
         _gather(w, S_SCALE, c0, n, 1.0, scale)
         _gather(w, S_BETA, c0, n, 0.0, beta)
         memcpy(shift, w.mean + c0, n * sizeof(float))
-        for i in range(n):
-            s1[i] = w.sums[2 * (c0 + i)]
-            s2[i] = w.sums[2 * (c0 + i) + 1]
+        _channel_sums(w, c0, n, s1, s2)
         for i in range(n):
             forward_coefficients(shift[i], s1[i], s2[i], count, scale[i], beta[i], eps,
                                  &mean_hi[i], &k[i], &b[i], &mean[i], &var[i])
