@@ -821,3 +821,41 @@ def test_bench_imports_no_private_module_of_the_package():
             private += [f"{path.name}:{node.lineno} {n}" for n in names
                         if n.startswith("bnbw_native.") and n.split(".")[1].startswith("_")]
     assert private == []
+
+
+def test_rows_from_memory_rotate_copies_and_check_against_torch():
+    from_memory = bench_module("from_memory")
+    calls = []
+    run = from_memory.rotating(calls.append, 3)
+    for _ in range(7):
+        run()
+    assert calls == [0, 1, 2, 0, 1, 2, 0]
+    assert from_memory.copies_for(100, 1000) == 10
+    assert from_memory.copies_for(100, 50) == 2
+    assert from_memory.copies_for(1, 1e12) == from_memory.MAX_COPIES
+    got = from_memory.rows(["odd-4d"], ["NCX", "NXC"], [1], ONE_CALL, budget=1 << 20)
+    assert [(r["layout"], r["pass"]) for r in got] == [
+        ("NCX", "forward"), ("NCX", "backward"), ("NXC", "forward"), ("NXC", "backward")]
+    for r in got:
+        assert r["copies"] >= 2 and r["ours_ms"] > 0
+        if peers.torch is None:
+            assert r["torch_ms"] is None and r["err"] is None
+        else:
+            assert r["torch_ms"] > 0 and r["err"] <= from_memory.TOLERANCE
+
+
+def test_rows_from_memory_refuse_to_time_a_wrong_result(monkeypatch):
+    pytest.importorskip("torch")
+    from_memory = bench_module("from_memory")
+    right = from_memory.ours
+
+    def wrong(c, layout, threads):
+        forward, backward = right(c, layout, threads)
+
+        def spoiled(k):
+            forward(k)
+            c["out"][k][...] *= 1.01
+        return spoiled, backward
+    monkeypatch.setattr(from_memory, "ours", wrong)
+    with pytest.raises(RuntimeError, match="differ by"):
+        from_memory.rows(["odd-4d"], ["NCX"], [1], ONE_CALL, budget=1 << 20)
