@@ -247,17 +247,17 @@ class BatchNorm(torch.nn.Module):
             if self.momentum is not None and not 0.0 <= self.momentum <= 1.0:
                 raise ValueError(f"momentum must be None or in [0, 1], got {self.momentum}")
             batches.add_(1)
+        kept = None
         if running_mean is not None and running_mean.dtype != torch.float32:
             # the kernels keep float32 statistics: update float32 copies, then store them back
             kept = (running_mean, running_var)
             running_mean, running_var = running_mean.float(), running_var.float()
-            y = _torch_ops.train(x, weight, bias, running_mean, running_var, self.momentum,
-                                 batches, self.eps, relu, group, self.num_threads, residual)
+        y = _torch_ops.train(x, weight, bias, running_mean, running_var, self.momentum,
+                             batches, self.eps, relu, group, self.num_threads, residual)
+        if kept is not None:
             kept[0].copy_(running_mean)        # (the statistics take no gradient)
             kept[1].copy_(running_var)
-            return y
-        return _torch_ops.train(x, weight, bias, running_mean, running_var, self.momentum,
-                                batches, self.eps, relu, group, self.num_threads, residual)
+        return y
 
     def _torch_forward(self, x: torch.Tensor, relu: bool) -> torch.Tensor:
         """torch.nn.BatchNorm2d's forward (then ReLU when relu)."""
