@@ -22,10 +22,10 @@ ctypedef struct Schedule:
     int kind                   # ScheduleKind
     int nthreads               # threads that run the items (1: the calling thread alone)
     int sums                   # the kernels' sum mode: exact, or f32 blocks (and lane order)
-    bint streaming             # channel-last rows come from memory: a hint for the visiting
-                               # order
+    bint streaming             # channel-last rows taken to come from memory (the call outgrows
+                               # its threads' L2s): a hint for the visiting order
     bint stream_dx             # the call's data outgrow the caches: dx past them (f32)
-    bint from_line             # channel-last data that stay in the caches: rows of whole lines
+    bint from_line             # channel-last data within the threads' L2s: rows of whole lines
                                # may be walked from x's first line
     int64_t group              # channels per item (channel-last slices, sweeps, fused groups)
     int64_t ngroups

@@ -330,10 +330,6 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
                    and (stream_policy == 1
                         or (4 * p.inner_size >= STREAM_ROW_MIN
                             and tensors > cache_l3_bytes + s.nthreads * cache_l2_bytes)))
-    # Loads that straddle two lines cost in the caches, not from memory: walked from x's first
-    # line, calls in the L2 or L3 ran 5-20% faster and calls past them 0-10% slower
-    # (docs/benchmark-history.md, 6f)
-    s.from_line = p.channel_last and tensors <= cache_l3_bytes + s.nthreads * cache_l2_bytes
     if C * p.count < SERIAL_BELOW:
         s.nthreads = 1
     elif thread_work_floor > 0:
@@ -341,13 +337,17 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
                 // thread_work_floor)
         if s.nthreads > paid:
             s.nthreads = <int> paid if paid > 1 else 1
-    # Channel-last rows are visited one at a time only when they come from memory: past the
-    # threads' L2s and one CPU's share of the L3 (the L3 also serves cores the process cannot
-    # count).  Measured on a 2-core Zen 4 guest, rows four at a time ran 1.1-2.8x faster within
-    # that and up to 1.9x slower past it (docs/benchmark-history.md, 6g)
-    s.streaming = p.channel_last and tensors > (
-        s.nthreads * cache_l2_bytes
-        + cache_l3_bytes // (cache_l3_sharers if cache_l3_sharers > 1 else 1))
+    # How the kernels walk channel-last rows depends on where the rows come from, and only
+    # the threads' own L2s are taken to hold them: inside a model a batch norm's tensors were
+    # last touched layers earlier, so they come from memory even where they would fit the L3.
+    # From memory rows go one at a time (`streaming`), the order the prefetchers follow, and
+    # rows starting inside a line are walked as they lie; within the L2s, rows go four at a
+    # time and from x's first line (`from_line`: straddling loads cost in the caches).
+    # Measured in converted ResNets on a 2-core Zen 4 guest, the batch norms' native calls
+    # took 0.85-1.01 of their time under the L3 rule of before; repeated on the same arrays,
+    # the calls this moves run up to 17% slower (docs/benchmark-history.md, 8a)
+    s.from_line = p.channel_last and tensors <= s.nthreads * cache_l2_bytes
+    s.streaming = p.channel_last and not s.from_line
     if p.channel_last:
         _choose_last(p, op, s)
         return

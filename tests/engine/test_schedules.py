@@ -341,10 +341,10 @@ def test_dx_streams_in_long_channel_major_rows_that_outgrow_the_caches(
 
 
 @pytest.mark.parametrize("shape, data_format", [((8, 16, 16, 64), "NXC"), ((8, 64, 16, 16), "NCX")])
-def test_channel_last_rows_are_walked_from_a_line_only_while_the_data_stay_in_the_caches(
+def test_channel_last_rows_are_walked_from_a_line_only_while_the_data_stay_in_the_l2s(
         rng, cache_model, shape, data_format):
     """from_line (rotated walks of rows that start inside a 64-byte line) holds for channel-last
-    calls whose x, dy and dx fit in the L3 and every thread's L2, and never for channel-major
+    calls whose x, dy and dx fit in the L2s of the call's threads, and never for channel-major
     ones; either way the bits are those of line-aligned arrays."""
     x = rng.normal(3, 2, shape).astype(np.float32)
     dy = rng.normal(0, 1, shape).astype(np.float32)
@@ -384,24 +384,24 @@ def test_channel_last_rows_are_walked_from_a_line_only_while_the_data_stay_in_th
 
 
 @pytest.mark.parametrize("formula", ["training", "forward"])
-def test_channel_last_rows_stream_past_the_threads_l2s_and_one_cpus_share_of_the_l3(
-        cache_model, formula):
+def test_channel_last_rows_stream_past_the_threads_l2s(cache_model, formula):
     """streaming (channel-last rows visited one at a time) holds when x, dy and dx outgrow the
-    L2s of the call's threads and the L3 over the CPUs sharing it - on both sides of that
-    budget, for each thread count - and never for channel-major calls."""
+    L2s of the call's threads, whatever the L3 - on both sides of that budget, for each thread
+    count - and from_line holds exactly when it does not; neither for channel-major calls."""
     x = np.empty((1024, 256), np.float32)            # 1 MiB: three tensors of 3 MiB
-    for sharers, threads, streams in [(4, 1, True),   # 0.5 + 2 MiB
-                                      (4, 2, False),  # 1 + 2 MiB: exactly the tensors
-                                      (4, 3, False),
-                                      (8, 2, True),   # 1 + 1 MiB
-                                      (1, 1, False),  # 0.5 + 8 MiB
-                                      (0, 1, False)]:  # (sharers unknown: the whole L3)
-        cache_model(512 << 10, 8 << 20, sharers)
-        facts = tuning.describe(x, "NXC", formula=formula, num_threads=threads)
-        assert facts["threads"] == threads
-        assert facts["streaming"] is streams, (sharers, threads)
-        assert tuning.describe(x.reshape(4, 256, 256), "NCX", formula=formula,
-                               num_threads=threads)["streaming"] is False
+    for l3, sharers in [(8 << 20, 4), (1 << 30, 1), (0, 0)]:
+        for threads, streams in [(1, True),           # 1 MiB
+                                 (2, True),           # 2 MiB
+                                 (3, False),          # 3 MiB: exactly the tensors
+                                 (4, False)]:
+            cache_model(1 << 20, l3, sharers)
+            facts = tuning.describe(x, "NXC", formula=formula, num_threads=threads)
+            assert facts["threads"] == threads
+            assert facts["streaming"] is streams, (l3, sharers, threads)
+            assert facts["from_line"] is not streams, (l3, sharers, threads)
+            major = tuning.describe(x.reshape(4, 256, 256), "NCX", formula=formula,
+                                    num_threads=threads)
+            assert major["streaming"] is False and major["from_line"] is False
 
 
 def _sysfs_caches():
