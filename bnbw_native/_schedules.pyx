@@ -116,6 +116,20 @@ cdef int64_t cache_share(int nthreads) noexcept nogil:
     cdef int64_t sharers = cache_l3_sharers if cache_l3_sharers > nthreads else nthreads
     return cache_l2_bytes + cache_l3_bytes // sharers
 
+cdef int64_t long_row_budget(int nthreads) noexcept nogil:
+    """Bytes of x and dy one of `nthreads` threads groups when its channel-major rows are long
+    (STREAM_ROW_MIN or more): its L2, and of the L3 a quarter of one CPU's part split among
+    the threads, at most four L2s.  A group's first read comes from memory and its second from
+    the caches; the larger the group, the fewer times a thread switches between the two, which
+    a lone thread feels (the memory bus idles while it applies) and a team less (the others
+    keep the bus busy, and groups that crowd the L3 together lose).  The four-L2 cap keeps
+    the L3 part to what a core of its own would hold where the L3 is shared with cores the
+    process cannot count (docs/benchmark-history.md, 5h and 8b)."""
+    cdef int64_t sharers = cache_l3_sharers if cache_l3_sharers > nthreads else nthreads
+    cdef int64_t l3_part = cache_l3_bytes // (4 * sharers * nthreads)
+    return cache_l2_bytes + (l3_part if l3_part < 4 * cache_l2_bytes else 4 * cache_l2_bytes)
+
+
 SCHEDULE_NAMES = {0: "nothing", 1: "last-split", 2: "major-sweep", 3: "major-blocks",
                   4: "major-sweep-fused", 5: "major-channel-fused", 6: "last-slab"}
 TILE_ELEMENTS = TILE
@@ -359,9 +373,10 @@ cdef void schedule_choose(const Plan *p, int op, int nthreads, Schedule *s) noex
             s.kind = SCHED_MAJOR_SWEEP_FUSED
             # channels per item: as many as keep the group's x and dy within this thread's
             # share of the cache (FUSE_MIN at least), and at least two items per thread.
-            # Rows of STREAM_ROW_MIN bytes or more are streams of their own: their groups keep
-            # to the L2, which no other core or process shares
-            budget = (cache_l2_bytes if p.inner_size * itemsize(p.big_dtype) >= STREAM_ROW_MIN
+            # Rows of STREAM_ROW_MIN bytes or more are streams of their own, read from memory:
+            # their groups take less of the L3 (long_row_budget)
+            budget = (long_row_budget(s.nthreads)
+                      if p.inner_size * itemsize(p.big_dtype) >= STREAM_ROW_MIN
                       else cache_share(s.nthreads))
             if budget < FUSE_MIN:
                 budget = FUSE_MIN

@@ -253,20 +253,24 @@ def test_describe_names_the_schedule(cache_model, shape, data_format, threads, f
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_groups_of_long_rows_keep_to_the_l2(cache_model, threads):
+@pytest.mark.parametrize("l2, l3", [(1 << 20, 32 << 20), (2 << 20, 260 << 20)])
+def test_fused_groups_of_long_rows_take_a_part_of_the_l3(cache_model, threads, l2, l3):
     """Channel-major rows of 8 KiB or more group so that a group's x and dy fit the thread's
-    L2; shorter rows count the thread's part of the L3 too (cache model: 1 MiB L2, 64 MiB L3
-    for 2 CPUs)."""
-    l2 = 1 << 20
-    cache_model(l2, 64 << 20, 2)
-    long_rows = np.zeros((8, 64, 48, 48), np.float32)        # 9 KiB rows
+    L2 and, of the L3, a quarter of one CPU's part split among the threads, at most four L2s
+    (an L3 of 260 MiB for 2 CPUs, as a guest may see its socket's, reaches that cap); shorter
+    rows count the thread's whole part of the L3."""
+    cache_model(l2, l3, 2)
+    budget = l2 + min(4 * l2, l3 // (4 * 2 * threads))
+    long_rows = np.zeros((32, 256, 48, 48), np.float32)      # 9 KiB rows
     facts = describe(long_rows, "NCX", num_threads=threads)
+    group_bytes = 2 * 4 * facts["count"]                     # a channel's x and dy
     assert facts["schedule"] == "major-sweep-fused", facts
-    assert facts["group"] * 2 * 4 * facts["count"] <= l2, facts
-    short_rows = np.zeros((8 * 9, 64, 16, 16), np.float32)   # 1 KiB rows, the same count
+    assert facts["group"] * group_bytes <= budget, facts
+    assert facts["group"] * group_bytes > l2, facts          # the L3 part is used
+    short_rows = np.zeros((32 * 9, 256, 16, 16), np.float32) # 1 KiB rows, the same count
     facts = describe(short_rows, "NCX", num_threads=threads)
     assert facts["schedule"] == "major-sweep-fused", facts
-    assert facts["group"] * 2 * 4 * facts["count"] > l2, facts
+    assert facts["group"] * group_bytes > budget, facts
 
 
 def test_describe_reports_threads_sums_and_temporaries():
