@@ -369,7 +369,8 @@ BNBW_INLINE void k__reduce_rows_blocked(const bnbw_io *io, int64_t rows, int64_t
  * Below 256 B per row, loading and storing the sums for every row costs more than the order
  * saves; past 2 KiB, four at a time measured as fast from memory, and up to 2x faster from
  * 3 KiB, where a row's sums crowd the L1 (docs/benchmark-history.md, 6g).  Either way each
- * channel adds its rows in row order: the same bits. */
+ * channel adds its rows in row order: the same bits.  Rows whose sums fit the registers do
+ * not come here (K__REDUCE_IN_REGISTERS). */
 #define K__ROW_GROUP 4
 #define K__ONE_ROW_READS 257
 #define K__ONE_ROW_TO 2048
@@ -383,6 +384,43 @@ BNBW_INLINE int64_t k__row_group(const bnbw_io *io, int arrays, int streaming, i
            ? 1 : K__ROW_GROUP;
 }
 
+/* Where the sums of all n16 channels fit the body's registers (n16 <= 16 *
+ * BNBW_SIMD_SUM_RUNS), rows go one at a time in memory order, whether they come from memory or
+ * not, and the sums stay in registers from the first row to the last: neither the prefetchers
+ * nor loads and stores of the sums between rows cost anything (a channel-last call of 64
+ * channels ran 1.1-1.2x faster than four rows a visit or one row with the sums in memory,
+ * docs/benchmark-history.md, 8c).  RUNS is a constant at each use, so the arrays below live in
+ * registers.  Each channel adds its rows in row order, as in the other loops: the same bits. */
+#define K__REDUCE_IN_REGISTERS(RUNS)                                                        \
+    do {                                                                                    \
+        vd G[RUNS], P[RUNS];                                                                \
+        vw M[RUNS];                                                                         \
+        for (int k = 0; k < RUNS; ++k) {                                                    \
+            G[k] = vd_loadu(sum_g + 16 * k);                                                \
+            P[k] = vd_loadu(sum_xg + 16 * k);                                               \
+            M[k] = vw_loadu(mean + 16 * k);                                                 \
+        }                                                                                   \
+        for (int64_t j = 0; j < rows; ++j)                                                  \
+            for (int k = 0; k < RUNS; ++k)                                                  \
+                K__ACCUMULATE_W(G[k], P[k], k__gw_rows(io, j, 16 * k, dt, mdt),             \
+                                vw_sub(vw_load(io->x, j * io->x_step + 16 * k, 1, dt),     \
+                                       M[k]));                                              \
+        for (int k = 0; k < RUNS; ++k) {                                                    \
+            vd_storeu(sum_g + 16 * k, G[k]);                                                \
+            vd_storeu(sum_xg + 16 * k, P[k]);                                               \
+        }                                                                                   \
+    } while (0)
+
+/* Calls MACRO(runs) with runs = n16 / 16 as a constant, for n16 of at most four runs. */
+#define K__BY_RUNS(MACRO, n16)                                                              \
+    switch ((n16) / 16) {                                                                   \
+    case 1: MACRO(1); break;                                                                \
+    case 2: MACRO(2); break;                                                                \
+    case 3: MACRO(3); break;                                                                \
+    case 4: MACRO(4); break;                                                                \
+    default: break;                                                                         \
+    }
+
 BNBW_INLINE void k_reduce_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *mean,
                                double *sum_g, double *sum_xg, int streaming, int sums, int dt,
                                int mdt)
@@ -393,7 +431,9 @@ BNBW_INLINE void k_reduce_rows(const bnbw_io *io, int64_t rows, int64_t n, const
         k__reduce_rows_blocked(io, rows, n16, mean, sum_g, sum_xg, dt, mdt);
         group = BNBW_BLOCK_ROWS;
     } else {
-        if (group == 1) {
+        if (n16 <= 16 * BNBW_SIMD_SUM_RUNS) {
+            K__BY_RUNS(K__REDUCE_IN_REGISTERS, n16);
+        } else if (group == 1) {
             for (int64_t j = 0; j < rows; ++j)
                 K__TWO_RUNS_A_VISIT
                 for (int64_t c = 0; c < n16; c += 16) {
@@ -842,11 +882,31 @@ BNBW_INLINE void k_normalize_row(const bnbw_io *io, int64_t n, float mean, float
 
 /* Channel-last: channel c of every row adds its rows in row order (in groups of rows, as
  * k_reduce_rows visits them, for the same reasons). */
+/* The forward's statistics the same way (K__REDUCE_IN_REGISTERS). */
+#define K__STATS_IN_REGISTERS(RUNS)                                                         \
+    do {                                                                                    \
+        vd S[RUNS], Q[RUNS], D[RUNS];                                                       \
+        for (int k = 0; k < RUNS; ++k) {                                                    \
+            S[k] = vd_loadu(sum + 16 * k);                                                  \
+            Q[k] = vd_loadu(sum_sq + 16 * k);                                               \
+            D[k] = vd_widen(vw_loadu(shift + 16 * k));                                      \
+        }                                                                                   \
+        for (int64_t j = 0; j < rows; ++j)                                                  \
+            for (int k = 0; k < RUNS; ++k)                                                  \
+                K__STATS(S[k], Q[k], vw_load(io->x, j * io->x_step + 16 * k, 1, dt), D[k]); \
+        for (int k = 0; k < RUNS; ++k) {                                                    \
+            vd_storeu(sum + 16 * k, S[k]);                                                  \
+            vd_storeu(sum_sq + 16 * k, Q[k]);                                               \
+        }                                                                                   \
+    } while (0)
+
 BNBW_INLINE void k_stats_rows(const bnbw_io *io, int64_t rows, int64_t n, const float *shift,
                               double *sum, double *sum_sq, int streaming, int dt)
 {
     const int64_t n16 = n - n % 16, group = k__row_group(io, 1, streaming, dt);
-    if (group == 1) {
+    if (n16 <= 16 * BNBW_SIMD_SUM_RUNS) {
+        K__BY_RUNS(K__STATS_IN_REGISTERS, n16);
+    } else if (group == 1) {
         for (int64_t j = 0; j < rows; ++j)
             K__TWO_RUNS_A_VISIT
             for (int64_t c = 0; c < n16; c += 16) {

@@ -22,6 +22,8 @@
 /* Packed short rows (bnbw_kernels_impl.h) take their per-row constants and add their
  * row sums by this layer's permutes: vf_spread, vw_spread, vd_add_group_sums. */
 #define BNBW_SIMD_PACKED_ROWS 1
+/* Runs of 16 channels whose two f64 sums a row loop keeps in registers (16 ymm: one run's two sums take 8). */
+#define BNBW_SIMD_SUM_RUNS 1
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
 typedef struct { __m256 lo, hi; } vf;               /* lanes 0-7, 8-15 */

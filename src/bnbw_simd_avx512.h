@@ -24,6 +24,8 @@
 /* Packed short rows (bnbw_kernels_impl.h) take their per-row constants and add their
  * row sums by this layer's permutes: vf_spread, vw_spread, vd_add_group_sums. */
 #define BNBW_SIMD_PACKED_ROWS 1
+/* Runs of 16 channels whose two f64 sums a row loop keeps in registers (32 zmm: four runs' two sums (16), their means (4) and the terms). */
+#define BNBW_SIMD_SUM_RUNS 4
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
 typedef __m512 vf;

@@ -34,6 +34,8 @@
 #define BNBW_SIMD_BF16_EVEN_ODD 0
 /* Packed short rows spread and add through arrays (bnbw_kernels_impl.h). */
 #define BNBW_SIMD_PACKED_ROWS 0
+/* Runs of 16 channels whose two f64 sums a row loop keeps in registers (32 q registers: one run's two sums take 16). */
+#define BNBW_SIMD_SUM_RUNS 1
 #define BNBW_INLINE static inline __attribute__((always_inline))
 
 typedef struct { float32x4_t q[4]; } vf;

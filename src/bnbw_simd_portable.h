@@ -57,6 +57,8 @@
 #define BNBW_SIMD_BF16_EVEN_ODD 0
 /* Packed short rows spread and add through arrays (bnbw_kernels_impl.h). */
 #define BNBW_SIMD_PACKED_ROWS 0
+/* Runs of 16 channels whose two f64 sums a row loop keeps in registers (the least any target holds). */
+#define BNBW_SIMD_SUM_RUNS 1
 
 #ifdef __has_builtin
 #define BNBW__HAS_BUILTIN(x) __has_builtin(x)

@@ -101,16 +101,19 @@ def test_every_body_gives_the_portable_bits(rng, dtype, shape, data_format, num_
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("channels", [130, 512, 519])
-def test_rows_taken_from_memory_give_the_portable_bits(rng, dtype, channels):
+@pytest.mark.parametrize("channels", [16, 17, 33, 48, 64, 65, 80, 130, 512, 519])
+@pytest.mark.parametrize("streaming", [True, False], ids=["from-memory", "cached"])
+def test_rows_taken_from_memory_give_the_portable_bits(rng, dtype, channels, streaming):
     """Channel-last rows the schedule takes to come from memory (a cache model with no room)
     are visited one at a time up to 2 KiB and four at a time past it, in the backward's sums
-    and the forward's statistics: every body gives the portable bits."""
+    and the forward's statistics; rows of at most as many channels as a body keeps the sums
+    of in registers (16 to 64) go one at a time from memory or not: every body gives the
+    portable bits, on either side of each body's limit."""
     before = tuning.cache_model()
-    tuning.set_cache_model(1 << 10, 1 << 12, 64)
+    tuning.set_cache_model(*((1 << 10, 1 << 12, 64) if streaming else (1 << 30, 1 << 30, 2)))
     try:
         x, dy, mean, var, gamma = _inputs(rng, (37, channels), dtype, "NXC", False)
-        assert tuning.describe(x, "NXC", num_threads=2)["streaming"]
+        assert tuning.describe(x, "NXC", num_threads=2)["streaming"] == streaming
 
         def call():
             fwd = bnbw_native.batchnorm_training_forward(x, mean, var, gamma, gamma,
