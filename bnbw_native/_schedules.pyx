@@ -116,6 +116,7 @@ cdef int64_t cache_share(int nthreads) noexcept nogil:
     cdef int64_t sharers = cache_l3_sharers if cache_l3_sharers > nthreads else nthreads
     return cache_l2_bytes + cache_l3_bytes // sharers
 
+
 cdef int64_t long_row_budget(int nthreads) noexcept nogil:
     """Bytes of x and dy one of `nthreads` threads groups when its channel-major rows are long
     (STREAM_ROW_MIN or more): its L2, and of the L3 a quarter of one CPU's part split among
@@ -125,9 +126,8 @@ cdef int64_t long_row_budget(int nthreads) noexcept nogil:
     keep the bus busy, and groups that crowd the L3 together lose).  The four-L2 cap keeps
     the L3 part to what a core of its own would hold where the L3 is shared with cores the
     process cannot count (docs/benchmark-history.md, 5h and 8b)."""
-    cdef int64_t sharers = cache_l3_sharers if cache_l3_sharers > nthreads else nthreads
-    cdef int64_t l3_part = cache_l3_bytes // (4 * sharers * nthreads)
-    return cache_l2_bytes + (l3_part if l3_part < 4 * cache_l2_bytes else 4 * cache_l2_bytes)
+    cdef int64_t l3_part = (cache_share(nthreads) - cache_l2_bytes) // (4 * nthreads)
+    return cache_l2_bytes + imin(4 * cache_l2_bytes, l3_part)
 
 
 SCHEDULE_NAMES = {0: "nothing", 1: "last-split", 2: "major-sweep", 3: "major-blocks",
