@@ -8,16 +8,19 @@ and a three-block CNN, eager and under torch.compile, NCHW and channels-last, 1 
 One step is forward, cross-entropy, backward and an SGD step (momentum 0.9) on a fixed batch
 (--batch images of 3 x --size x --size, 10 classes, float32).  Per case the copies start from
 the same weights - plain, converted, and (for the batch norms' share) the plain model with
-every batch norm an nn.Identity - are compiled when asked (the first step's time is the
-compile time, reported), warmed up, then timed step by step, alternating, for --rounds
-rounds; the figures are medians.  While they are timed, torch's CPU allocator is
+every batch norm an nn.Identity, and a second plain copy (the control) - are compiled when
+asked (the first step's time is the compile time, reported), warmed up, then timed step by
+step, alternating, for --rounds rounds, each round starting one copy later than the last;
+the figures are medians.  While they are timed, torch's CPU allocator is
 bench/torch_cache.cpp for all of them (when it builds here), so no copy pays page faults for
 memory another just freed.
 
 Columns: plain and converted ms per step; plain / converted (> 1: converting is faster);
 bn% = 1 - (step without batch norms) / (plain step), what the batch norms (and the ReLUs
 fused into them) cost; gain% = the share of that cost converting saved, (plain - converted) /
-(plain - without); fused = batch norms that became BatchNormReLU, of all.  --losses N trains
+(plain - without); fused = batch norms that became BatchNormReLU, of all; plain/ctl = the
+plain step over the control's, the same model timed twice: how far apart two copies of one
+model run in this process (on a 2-core guest, 0.98-1.02), the noise floor under plain/conv.  --losses N trains
 both copies N steps on fresh batches from one seed and prints the two loss curves.
 """
 import argparse
@@ -181,6 +184,8 @@ def race(args, name, layout, mode, threads):
     copies = {"plain": plain, "converted": converted}
     if args.share:
         copies["without"] = without_batch_norms(copy.deepcopy(plain))
+    if args.control:
+        copies["control"] = copy.deepcopy(plain)
     x, labels = batch(args, 0)
     x = x.contiguous(memory_format=LAYOUTS[layout])
     steps = {k: trainer(m, layout, mode == "compiled") for k, m in copies.items()}
@@ -194,11 +199,12 @@ def race(args, name, layout, mode, threads):
     cache = torch_cache.load()
     installed = cache is not None and cache.on()
     times = {k: [] for k in steps}
+    order = list(steps)
     try:
-        for _ in range(args.rounds):
-            for k, step in steps.items():
+        for r in range(args.rounds):     # (no copy always runs after the same other copy)
+            for k in order[r % len(order):] + order[:r % len(order)]:
                 t = time.perf_counter()
-                step(x, labels)
+                steps[k](x, labels)
                 times[k].append(time.perf_counter() - t)
     finally:
         if installed:
@@ -237,6 +243,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per copy (default 2)")
     ap.add_argument("--no-share", dest="share", action="store_false",
                     help="skip the copy without batch norms (no bn%% and gain%% columns)")
+    ap.add_argument("--no-control", dest="control", action="store_false",
+                    help="skip the second plain copy (no plain/ctl column)")
     ap.add_argument("--losses", type=int, default=0,
                     help="also print N steps of both copies' losses per model and layout "
                          "(eager, the first thread count)")
@@ -245,7 +253,8 @@ def main(argv=None):
     print(f"torch {torch.__version__}; batch {args.batch} x 3 x {args.size} x {args.size}, "
           f"float32, SGD; median of {args.rounds} interleaved steps")
     print(f"{'model':<9} {'layout':<13} {'mode':<8} {'thr':>3} {'plain ms':>9} {'conv ms':>9} "
-          f"{'plain/conv':>10} {'bn%':>5} {'gain%':>6} {'fused':>6} {'compile s p/c':>14}")
+          f"{'plain/conv':>10} {'plain/ctl':>9} {'bn%':>5} {'gain%':>6} {'fused':>6} "
+          f"{'compile s p/c':>14}")
     try:
         for threads in (int(t) for t in args.threads.split(",")):
             for name in args.models.split(","):
@@ -255,13 +264,14 @@ def main(argv=None):
                                                                 threads)
                         p, c = med["plain"], med["converted"]
                         share = gain = ""
+                        control = f"{p / med['control']:9.3f}" if "control" in med else ""
                         if "without" in med:
                             share = f"{100 * (1 - med['without'] / p):5.0f}"
                             gain = f"{100 * (p - c) / (p - med['without']):6.0f}"
                         comp = (f"{first['plain']:6.1f}/{first['converted']:<6.1f}"
                                 if mode == "compiled" else "")
                         print(f"{name:<9} {layout:<13} {mode:<8} {threads:>3} {p * 1e3:9.1f} "
-                              f"{c * 1e3:9.1f} {p / c:10.3f} {share:>5} {gain:>6} "
+                              f"{c * 1e3:9.1f} {p / c:10.3f} {control:>9} {share:>5} {gain:>6} "
                               f"{fused:>2}/{bns:<3} {comp:>14}"
                               + ("" if cached else "  (torch's own allocator)"), flush=True)
         if args.losses:
