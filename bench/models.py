@@ -20,8 +20,9 @@ bn% = 1 - (step without batch norms) / (plain step), what the batch norms (and t
 fused into them) cost; gain% = the share of that cost converting saved, (plain - converted) /
 (plain - without); fused = batch norms that became BatchNormReLU, of all; plain/ctl = the
 plain step over the control's, the same model timed twice: how far apart two copies of one
-model run in this process (on a 2-core guest, 0.98-1.02), the noise floor under plain/conv.  --losses N trains
-both copies N steps on fresh batches from one seed and prints the two loss curves.
+model run in this process, the noise floor under plain/conv (on a 2-core guest 0.96-1.02
+eager, 0.91-1.02 compiled).  --losses N trains both copies N steps on fresh batches from one
+seed and prints the two loss curves.
 """
 import argparse
 import copy
